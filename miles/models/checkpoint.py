@@ -1,0 +1,192 @@
+"""Hugging Face checkpoints in and out: config.json + (sharded) safetensors, and GGUF import.
+
+Loading checks every tensor (present, right shape) before the model is returned, and each
+problem raises one `CheckpointError` naming the file and the tensor or field. Saving writes to a
+temporary directory and renames it into place, so a checkpoint is never half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles.errors import CheckpointError
+from miles.models.config import ModelConfig
+from miles.models.linear import LinearFactory, default_linear
+from miles.models.transformer import Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that the model derives itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path}: no such file or directory")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path}: expected a directory holding config.json (or a .gguf file)"
+        )
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(
+            f"{config_file}: missing; a Hugging Face checkpoint directory needs config.json"
+        )
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from e
+    return ModelConfig.from_hf_dict(hf, source=str(config_file))
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file holding it (single file or index)."""
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+        files = {name: path / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.exists():
+                raise CheckpointError(f"{index}: names shard {shard.name}, which is missing from {path}")
+        return files
+    single = path / SINGLE_FILE
+    if not single.exists():
+        raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; nothing to load the weights from")
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def read_tensors(path: Path, files: dict[str, Path], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    out = {}
+    for file, file_names in by_file.items():
+        try:
+            with safe_open(file, "pt") as f:
+                for name in file_names:
+                    out[name] = f.get_tensor(name)
+        except Exception as e:  # a truncated or corrupt file
+            raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from e
+    return out
+
+
+def load_state_dict_into(model: Transformer, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy `state` into `model` after checking names and shapes; nothing is copied on error."""
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: tensor {missing[0]!r} is missing{more}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: tensor {unexpected[0]!r} is not part of a {model.config.model_type} model with "
+            f"this config.json ({len(unexpected)} unexpected tensor(s))"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=False)
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    make_linear: LinearFactory = default_linear,
+) -> Transformer:
+    """Load a Hugging Face checkpoint directory or a `.gguf` file into a miles `Transformer`."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from miles.models.gguf import load_gguf
+
+        return load_gguf(path, device=device, dtype=dtype, make_linear=make_linear)
+    config = read_config(path)
+    files = tensor_files(path)
+    state = read_tensors(path, files, files.keys())
+    model = Transformer(config, make_linear)
+    source = str(path / INDEX_FILE) if (path / INDEX_FILE).exists() else str(path / SINGLE_FILE)
+    load_state_dict_into(model, state, source)
+    return model.to(device=device, dtype=dtype)
+
+
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds, by Hugging Face name (tied lm_head left out)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def save_model(
+    model: Transformer,
+    path: str | os.PathLike,
+    tokenizer=None,
+    max_shard_bytes: int = 2 * 1024**3,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a Hugging Face checkpoint directory atomically (temp dir, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        state = hf_state_dict(model)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                shard_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / shard_name, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, shard_name))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (tmp / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

