@@ -1,0 +1,53 @@
+"""Per-token log-probabilities and entropy from logits, computed in row chunks.
+
+A (tokens x 150k vocab) log-softmax is the largest tensor in RL training; chunking keeps one
+chunk's worth of it alive at a time, and under autograd each chunk is recomputed in backward
+(activation checkpointing) instead of stored.
+
+The rollout engine samples from softmax(logits / temperature) and reports the log-probability
+under exactly that distribution; `token_logprobs(..., temperature=T)` is the same quantity from
+a full forward, so the two compare token by token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK = 1024
+
+
+def _logprob_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _chunked(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk: int) -> torch.Tensor:
+    shape = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    extra = tuple(e.reshape(-1) for e in extra)
+    outs = []
+    for start in range(0, flat.shape[0], chunk):
+        rows = (flat[start : start + chunk],) + tuple(e[start : start + chunk] for e in extra)
+        if flat.requires_grad:
+            outs.append(checkpoint(fn, *rows, use_reentrant=False))
+        else:
+            outs.append(fn(*rows))
+    return torch.cat(outs).view(shape) if outs else flat.new_zeros(shape)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] for logits (..., V) and targets (...)."""
+    return _chunked(lambda lg, tg: _logprob_rows(lg, tg, temperature), logits, targets, chunk=chunk)
+
+
+def entropy(logits: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Entropy -sum p log p of softmax(logits) per position, shape logits.shape[:-1]."""
+    return _chunked(_entropy_rows, logits, chunk=chunk)
