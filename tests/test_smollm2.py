@@ -47,3 +47,18 @@ def test_smollm2_greedy_text_matches_transformers(smol):
         ].tolist()
     assert tok.decode(ours) == tok.decode(ref)
     assert "Paris" in tok.decode(ours)
+
+
+def test_smollm2_engine_greedy_batch_equals_transformers(smol):
+    from miles.rollout import Engine, Request, SamplingParams
+
+    model, tok, hf = smol
+    texts = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):"]
+    engine = Engine(model, tok, max_batch_size=2, max_seq_len=64)  # 3 prompts, 2 slots
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    samples = engine.generate([Request(tok(t).input_ids, params) for t in texts])
+    for t, s in zip(texts, samples):
+        ids = tok(t).input_ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0].tolist()
+        assert s.tokens == ref[: len(s.tokens)]

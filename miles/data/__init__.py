@@ -1,0 +1,5 @@
+"""miles.data: the `Sample`, prompt datasets and batch assembly."""
+
+from miles.data.sample import Sample, Status
+
+__all__ = ["Sample", "Status"]

@@ -1,0 +1,279 @@
+"""The rollout engine: continuous batching over a KV cache allocated once.
+
+`add_request` queues work; each `step` first admits waiting requests into free cache slots
+(one batched prefill), then decodes one token for every running request. A finished request
+frees its slot at once, so a batch of mixed lengths never waits for its longest member.
+`generate` runs steps until a list of requests is done. Weight updates requested from any thread
+are applied between steps, never inside one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from miles.data.sample import Sample, Status
+from miles.errors import MilesError
+from miles.models.transformer import Transformer
+from miles.rollout.sampling import SamplingParams, sample_tokens
+from miles.rollout.weights import apply_named_tensors
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    sample: Sample | None = None  # filled in place when given (keeps group_index, label, ...)
+    uid: int = -1
+
+
+@dataclass
+class _Running:
+    request: Request
+    slot: int
+    generator: torch.Generator
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routed: list[np.ndarray] = field(default_factory=list)  # per fed chunk: (tokens, layers, k)
+    versions: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.response)
+
+
+class Engine:
+    """Batched generation with logprobs, routing capture and versioned weight updates."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer=None,
+        max_batch_size: int = 64,
+        max_seq_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.slots = max_batch_size
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.cache = model.new_cache(self.slots, self.max_seq_len)
+        self.seed = seed
+        self.weight_version = 0
+        self.is_moe = model.config.is_moe
+        self._eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self._eos.add(tokenizer.eos_token_id)
+        self._uids = itertools.count()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, _Running] = {}  # slot -> state
+        self._lock = threading.Lock()  # guards the pending-update list
+        self._step_lock = threading.RLock()  # held for a whole step: updates land between steps
+        self._pending_updates: list[tuple[list[tuple[str, torch.Tensor]], int | None, threading.Event]] = []
+        self._abort = False
+
+    # ---- public API ----
+
+    def add_request(self, request: Request) -> int:
+        if not request.prompt_ids:
+            raise MilesError("a request needs at least one prompt token")
+        if len(request.prompt_ids) >= self.max_seq_len:
+            raise MilesError(
+                f"prompt of {len(request.prompt_ids)} tokens does not fit the engine's context of "
+                f"{self.max_seq_len} (max_seq_len)"
+            )
+        if request.params.stop and self.tokenizer is None:
+            raise MilesError("stop strings need the engine to have a tokenizer")
+        request.uid = next(self._uids) if request.uid < 0 else request.uid
+        self._waiting.append(request)
+        return request.uid
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def generate(self, requests: Iterable[Request], progress: bool = False) -> list[Sample]:
+        """Run `requests` to completion; samples come back in the order given."""
+        requests = list(requests)
+        if len({id(r) for r in requests}) != len(requests):
+            raise MilesError("the same Request object appears twice; make one Request per sample")
+        for r in requests:
+            self.add_request(r)
+        wanted = {r.uid: i for i, r in enumerate(requests)}
+        out: list[Sample | None] = [None] * len(requests)
+        remaining = len(requests)
+        bar = tqdm(total=len(requests), desc="rollout", unit="sample", disable=not progress, leave=False)
+        while remaining:
+            if not self.has_work():
+                raise RuntimeError("engine ran out of work with requests unfinished (aborted from outside?)")
+            for sample in self.step():
+                index = wanted.get(sample.metadata["request_id"])
+                if index is not None:
+                    out[index] = sample
+                    remaining -= 1
+                    bar.update(1)
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None, wait: bool = True
+    ) -> None:
+        """Load HF-named tensors into the engine's model between decoding steps.
+
+        Called while another thread runs `step`, the update waits for the current step to end;
+        requests in flight keep their tokens and continue with the new weights (their KV cache
+        is recomputed), and each sample lists every version it was generated with.
+        """
+        done = threading.Event()
+        with self._lock:
+            self._pending_updates.append((list(named_tensors), version, done))
+        if wait:
+            with self._step_lock:  # waits for a running step to end; a later step would apply it too
+                self._apply_updates()
+            done.wait()
+
+    def abort_all(self) -> None:
+        """Finish every waiting and running request as ABORTED at the next step."""
+        self._abort = True
+
+    # ---- the step ----
+
+    def step(self) -> list[Sample]:
+        """Admit, prefill, decode one token for each running request; return finished samples."""
+        with self._step_lock:
+            self._apply_updates()
+            if self._abort:
+                return self._abort_everything()
+            finished = self._admit()
+            if self._running:
+                finished += self._decode()
+            return finished
+
+    def _apply_updates(self) -> None:
+        with self._lock:
+            updates, self._pending_updates = self._pending_updates, []
+        if not updates:
+            return
+        for tensors, version, _ in updates:
+            apply_named_tensors(self.model, tensors)
+            self.weight_version = version if version is not None else self.weight_version + 1
+        if self._running:  # keys/values of running requests were computed by the old weights
+            self._refill(list(self._running.values()))
+        for *_, done in updates:
+            done.set()
+
+    def _admit(self) -> list[Sample]:
+        free = [s for s in range(self.slots) if s not in self._running]
+        new = []
+        while free and self._waiting:
+            req = self._waiting.popleft()
+            seed = req.params.seed if req.params.seed is not None else hash((self.seed, req.uid)) % (2**63)
+            stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self._eos)
+            state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
+            self._running[state.slot] = state
+            new.append(state)
+        if not new:
+            return []
+        logits = self._refill(new)
+        return self._emit(new, logits)
+
+    def _refill(self, states: list[_Running]) -> torch.Tensor:
+        """Prefill each state's tokens except the newest into its slot; logits of its last fed token."""
+        seqs = [
+            s.request.prompt_ids + s.response[:-1] if s.response else s.request.prompt_ids for s in states
+        ]
+        T = max(len(x) for x in seqs)
+        ids = torch.zeros(len(states), T, dtype=torch.long)
+        for b, x in enumerate(seqs):
+            ids[b, : len(x)] = torch.tensor(x)
+        positions = torch.arange(T).expand(len(states), T)
+        rows = torch.tensor([s.slot for s in states])
+        with torch.no_grad():
+            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows)
+        last = torch.tensor([len(x) - 1 for x in seqs])
+        if self.is_moe:
+            routed = out.routed_experts.to(torch.int32).numpy()
+            for b, s in enumerate(states):
+                s.routed = [routed[b, : len(seqs[b])]]
+        return out.logits[torch.arange(len(states)), last]
+
+    def _decode(self) -> list[Sample]:
+        states = sorted(self._running.values(), key=lambda s: s.slot)
+        ids = torch.tensor([[s.response[-1]] for s in states])
+        positions = torch.tensor([[s.length - 1] for s in states])
+        all_slots = len(states) == self.slots
+        rows = slice(None) if all_slots else torch.tensor([s.slot for s in states])
+        with torch.no_grad():
+            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows)
+        if self.is_moe:
+            routed = out.routed_experts[:, 0].to(torch.int32).numpy()
+            for b, s in enumerate(states):
+                s.routed.append(routed[b : b + 1])
+        return self._emit(states, out.logits[:, -1])
+
+    def _emit(self, states: list[_Running], logits: torch.Tensor) -> list[Sample]:
+        """Sample one token for each state from `logits`; finish the ones that stop."""
+        params = [s.request.params for s in states]
+        tokens, logprobs = sample_tokens(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            [s.generator for s in states],
+        )
+        finished = []
+        for s, tok, lp in zip(states, tokens.tolist(), logprobs.tolist()):
+            s.response.append(tok)
+            s.logprobs.append(lp)
+            if not s.versions or s.versions[-1] != self.weight_version:
+                s.versions.append(self.weight_version)
+            status = self._stop_status(s, tok)
+            if status is not None:
+                finished.append(self._finish(s, status))
+        return finished
+
+    def _stop_status(self, s: _Running, token: int) -> Status | None:
+        p = s.request.params
+        if token in s.stop_ids:
+            return Status.COMPLETED
+        if p.stop:
+            tail = self.tokenizer.decode(s.response[-64:], skip_special_tokens=False)
+            if any(stop in tail for stop in p.stop):
+                return Status.COMPLETED
+        if len(s.response) >= p.max_new_tokens or s.length >= self.max_seq_len:
+            return Status.TRUNCATED
+        return None
+
+    def _finish(self, s: _Running, status: Status) -> Sample:
+        self._running.pop(s.slot, None)
+        req = s.request
+        sample = req.sample if req.sample is not None else Sample()
+        sample.tokens = list(req.prompt_ids) + s.response
+        sample.response_length = len(s.response)
+        sample.rollout_log_probs = s.logprobs
+        sample.loss_mask = [1] * len(s.response)
+        sample.status = status
+        sample.weight_versions = s.versions
+        sample.metadata["request_id"] = req.uid
+        if self.tokenizer is not None:
+            sample.response = self.tokenizer.decode(s.response, skip_special_tokens=True)
+        if self.is_moe:
+            # every token fed through the model: all but the newest -> (tokens - 1, layers, k)
+            routed = np.concatenate(s.routed) if s.routed else np.zeros((0,), np.int32)
+            sample.rollout_routed_experts = routed[: len(sample.tokens) - 1]
+        return sample
+
+    def _abort_everything(self) -> list[Sample]:
+        self._abort = False
+        finished = [self._finish(s, Status.ABORTED) for s in list(self._running.values())]
+        while self._waiting:
+            req = self._waiting.popleft()
+            finished.append(self._finish(_Running(req, slot=-1, generator=torch.Generator()), Status.ABORTED))
+        return finished

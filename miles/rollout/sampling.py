@@ -1,0 +1,82 @@
+"""Next-token sampling: temperature, top-k, top-p, per-request seeds, and the logprob reported.
+
+The reported log-probability of a sampled token is log softmax(logits / temperature)[token]:
+the temperature-scaled distribution over the whole vocabulary, before top-k/top-p truncation
+(with temperature 0, greedy, it is log softmax(logits)). The trainer computes the same quantity
+with `miles.algo.token_logprobs(logits, tokens, temperature)`.
+
+Sampling uses the Gumbel-max trick with noise from each request's own generator, so a request's
+tokens depend on its seed alone, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.errors import MilesError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = whole vocabulary
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (need a tokenizer)
+    ignore_eos: bool = False
+    seed: int | None = None  # None: derived from the engine seed and the request id
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.temperature < 0:
+            raise MilesError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise MilesError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise MilesError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.top_k, int):
+            raise MilesError(f"top_k must be an integer, got {self.top_k!r}")
+
+
+def allowed_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k and top-p set. logits: (B, V) scaled."""
+    V = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None]
+    keep_sorted = rank < k[:, None]
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    keep_sorted &= mass_before < top_p[:, None]  # smallest prefix whose mass reaches top_p
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # (B, V) fp32, raw
+    temperature: torch.Tensor,  # (B,)
+    top_k: torch.Tensor,  # (B,) int
+    top_p: torch.Tensor,  # (B,)
+    generators: list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature)."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    scaled = logits.float() / t[:, None]
+    logprobs_all = scaled.log_softmax(-1)
+    if bool(greedy.all()):
+        tokens = logits.argmax(-1)
+    else:
+        restricted = allowed_logits(scaled, top_k, top_p)
+        noise = torch.stack(
+            [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators]
+        ).clamp_(min=1e-20)
+        gumbel = -torch.log(-torch.log(noise))
+        sampled = (restricted + gumbel).argmax(-1)
+        tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,36 @@
+"""Loading Hugging Face-named tensors into a live model (the receiving end of weight sync)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from miles.errors import MilesError
+from miles.models.transformer import Transformer
+
+
+def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy each (HF name, tensor) into `model`; all are checked before any is copied.
+
+    Returns the number of tensors applied. A tied lm_head.weight is accepted and skipped.
+    """
+    params = dict(model.state_dict(keep_vars=True))
+    tied = model.config.tie_word_embeddings
+    todo = []
+    for name, tensor in named_tensors:
+        if name == "lm_head.weight" and tied:
+            continue
+        if name not in params:
+            raise MilesError(
+                f"weight update: {name!r} is not a parameter of this {model.config.model_type} model"
+            )
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise MilesError(
+                f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
+            )
+        todo.append((params[name], tensor))
+    with torch.no_grad():
+        for param, tensor in todo:
+            param.copy_(tensor)
+    return len(todo)

@@ -1,0 +1,1 @@
+"""miles.train: the trainer (log-prob recomputation, losses, optimizer, checkpoints)."""

@@ -1,0 +1,78 @@
+"""Trainer-side log-probabilities of response tokens, from one full forward.
+
+This is the quantity the rollout engine reports (`rollout_log_probs`): log softmax(logits / T)
+at each response token, so the two can be compared token by token and their gap measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from miles.algo.logprobs import token_logprobs
+from miles.data.sample import Sample
+from miles.models.transformer import Transformer
+
+
+@dataclass
+class PackedBatch:
+    """Samples right-padded into tensors; response positions marked."""
+
+    input_ids: torch.Tensor  # (B, T-1): every token but the last
+    targets: torch.Tensor  # (B, T-1): the next token at each position
+    attention_mask: torch.Tensor  # (B, T-1)
+    response_mask: torch.Tensor  # (B, T-1): 1 where the target is a trained response token
+    forced_experts: torch.Tensor | None  # (B, T-1, layers, k) recorded routing, -1 = none
+
+
+def pack(samples: Sequence[Sample], replay_routing: bool = False) -> PackedBatch:
+    T = max(len(s.tokens) for s in samples)
+    B = len(samples)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T - 1, dtype=torch.long)
+    resp = torch.zeros(B, T - 1, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        n, p = len(s.tokens), s.prompt_length
+        tokens[b, :n] = torch.tensor(s.tokens)
+        attn[b, : n - 1] = 1
+        mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
+        resp[b, p - 1 : n - 1] = torch.tensor(mask, dtype=torch.float32)
+    forced = None
+    if replay_routing:
+        missing = [b for b, s in enumerate(samples) if s.rollout_routed_experts is None]
+        if missing:
+            raise ValueError(
+                f"routing replay (--use-r3) needs rollout_routed_experts; sample {missing[0]} has none"
+            )
+        L, K = samples[0].rollout_routed_experts.shape[1:]
+        forced = torch.full((B, T - 1, L, K), -1, dtype=torch.long)
+        for b, s in enumerate(samples):
+            routed = np.asarray(s.rollout_routed_experts)
+            forced[b, : len(routed)] = torch.from_numpy(routed.astype(np.int64))
+    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced)
+
+
+def forward_logprobs(
+    model: Transformer, batch: PackedBatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(logprobs (B, T-1) of each target, logits, model output) for a packed batch."""
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
+    t = temperature if temperature > 0 else 1.0
+    return token_logprobs(out.logits, batch.targets, temperature=t), out.logits, out
+
+
+def response_logprobs(
+    model: Transformer, samples: Sequence[Sample], temperature: float = 1.0, replay_routing: bool = False
+) -> list[list[float]]:
+    """Each sample's response-token log-probabilities, as the engine would report them."""
+    batch = pack(samples, replay_routing)
+    with torch.no_grad():
+        logp, _, _ = forward_logprobs(model, batch, temperature)
+    out = []
+    for b, s in enumerate(samples):
+        p = s.prompt_length
+        out.append(logp[b, p - 1 : len(s.tokens) - 1].tolist())
+    return out

@@ -1,0 +1,300 @@
+"""The rollout engine: greedy vs transformers, sampling distribution, logprobs, R3, weight updates."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import transformers
+
+from miles.data import Status
+from miles.models import save_model
+from miles.rollout import Engine, Request, SamplingParams
+from miles.rollout.sampling import sample_tokens
+from miles.train.logprobs import response_logprobs
+from tests.conftest import random_model
+
+
+def peaked(arch: str, seed: int = 0, **kw):
+    """A random model with large weights, so next-token distributions are far from uniform."""
+    model = random_model(arch, seed=seed, **kw)
+    model.init_weights(std=0.15, seed=seed)
+    return model.eval()
+
+
+def prompts(n: int, vocab: int = 97, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, vocab, (int(torch.randint(2, 12, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("model_arch", ["qwen3_moe", "llama"])
+def test_greedy_equals_transformers_generate(model_arch, tmp_path):
+    model = peaked(model_arch, seed=3)
+    save_model(model, tmp_path / "m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    ps = prompts(6)
+    engine = Engine(model, max_batch_size=4, max_seq_len=64)  # 6 requests, 4 slots: slots are reused
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    samples = engine.generate([Request(p, params) for p in ps])
+    for p, s in zip(ps, samples):
+        ref = hf.generate(
+            torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        assert s.tokens == ref[0].tolist()
+        assert s.status == Status.TRUNCATED and s.response_length == 16
+
+
+def test_sampler_matches_known_distribution_chi_square():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    probs = torch.softmax(logits / 0.7, -1)
+    n = 20_000
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    tokens, logprobs = sample_tokens(
+        logits.expand(n, -1), torch.full((n,), 0.7), torch.full((n,), -1), torch.ones(n), gens
+    )
+    counts = torch.bincount(tokens, minlength=8).double()
+    expected = probs.double() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    p_value = torch.special.gammaincc(torch.tensor(7 / 2, dtype=torch.double), chi2 / 2)
+    assert p_value > 1e-3, (chi2, p_value)
+    torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # reported: softmax(logits / T)
+
+
+def test_top_k_top_p_never_leave_the_allowed_set():
+    logits = torch.tensor([3.0, 2.5, 2.0, 0.0, -1.0, -2.0])
+    n = 5000
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    t, _ = sample_tokens(logits.expand(n, -1), torch.ones(n), torch.full((n,), 2), torch.ones(n), gens)
+    assert set(t.tolist()) == {0, 1}
+    # top-p .6: probs sorted .45, .27, .17...: the smallest prefix reaching .6 is {0, 1}
+    probs = torch.softmax(logits, -1)
+    assert probs[0] < 0.6 < probs[0] + probs[1]
+    t, _ = sample_tokens(
+        logits.expand(n, -1), torch.ones(n), torch.full((n,), -1), torch.full((n,), 0.6), gens
+    )
+    counts = torch.bincount(t, minlength=6).double()
+    assert set(t.tolist()) == {0, 1}
+    # within the set, frequencies follow the renormalised distribution
+    assert abs(counts[0] / n - probs[0] / (probs[0] + probs[1])) < 0.03
+
+
+def test_engine_first_token_distribution_and_seed_independence():
+    model = peaked("qwen3", seed=1, vocab_size=8)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / 0.9, -1).double()
+    engine = Engine(model, max_batch_size=64, max_seq_len=8, seed=5)
+    n = 3000
+    params = SamplingParams(temperature=0.9, max_new_tokens=1)
+    samples = engine.generate([Request(prompt, params) for _ in range(n)])
+    counts = torch.bincount(torch.tensor([s.tokens[-1] for s in samples]), minlength=8).double()
+    chi2 = ((counts - probs * n) ** 2 / (probs * n)).sum()
+    assert torch.special.gammaincc(torch.tensor(3.5, dtype=torch.double), chi2 / 2) > 1e-3
+    # a request's tokens depend on its seed alone, not on the batch around it
+    p = SamplingParams(temperature=1.0, max_new_tokens=10, seed=42, ignore_eos=True)
+    alone = Engine(model, max_batch_size=1, max_seq_len=32).generate([Request(prompt, p)])[0]
+    crowd = Engine(model, max_batch_size=8, max_seq_len=32).generate(
+        [Request([5, 6], SamplingParams(max_new_tokens=7)) for _ in range(3)] + [Request(prompt, p)]
+    )[3]
+    assert alone.tokens == crowd.tokens
+
+
+@pytest.mark.parametrize("model_arch", ["llama", "qwen3_moe"])
+def test_engine_logprobs_equal_trainer_recomputation(model_arch):
+    model = peaked(model_arch, seed=2)
+    engine = Engine(model, max_batch_size=8, max_seq_len=64, seed=0)
+    params = SamplingParams(temperature=0.8, max_new_tokens=20, ignore_eos=True)
+    samples = engine.generate([Request(p, params) for p in prompts(10, seed=4)])
+    assert len({s.response_length for s in samples}) == 1 and len({len(s.tokens) for s in samples}) > 1
+    recomputed = response_logprobs(model, samples, temperature=0.8)
+    diff = max(abs(a - b) for s, r in zip(samples, recomputed) for a, b in zip(s.rollout_log_probs, r))
+    assert diff < 1e-5
+    if model.config.is_moe:
+        s = samples[0]
+        assert s.rollout_routed_experts.shape == (len(s.tokens) - 1, 2, 2)
+        replayed = response_logprobs(model, samples, temperature=0.8, replay_routing=True)
+        diff = max(abs(a - b) for s, r in zip(samples, replayed) for a, b in zip(s.rollout_log_probs, r))
+        assert diff < 1e-5
+
+
+def test_routing_replay_removes_the_mismatch_from_flipped_experts():
+    """A trainer whose numerics differ slightly (attention weights x (1 + 1e-2 noise)) picks
+    other experts for some tokens; replaying the engine's routing cuts the worst logprob gap."""
+    model = peaked("qwen3_moe", seed=6)
+    engine = Engine(model, max_batch_size=8, max_seq_len=64)
+    samples = engine.generate(
+        [Request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts(6)]
+    )
+    trainer_model = peaked("qwen3_moe", seed=6)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in trainer_model.named_parameters():
+            if "self_attn" in name and "proj" in name:
+                p.mul_(1 + torch.randn(p.shape, generator=gen) * 1e-2)
+        flipped = [
+            (
+                trainer_model(torch.tensor([s.tokens[:-1]])).routed_experts[0].numpy()
+                != s.rollout_routed_experts
+            )
+            .any(-1)
+            .mean()
+            for s in samples
+        ]
+    assert 0.01 < sum(flipped) / len(flipped) < 0.5  # some, not most, tokens route differently
+
+    def worst_gap(replay: bool) -> float:
+        got = response_logprobs(trainer_model, samples, replay_routing=replay)
+        return max(abs(a - b) for s, r in zip(samples, got) for a, b in zip(s.rollout_log_probs, r))
+
+    assert worst_gap(replay=True) < 0.5 * worst_gap(replay=False)
+    # replayed, the trainer reports exactly the engine's experts
+    from miles.train.logprobs import pack
+
+    batch = pack(samples, replay_routing=True)
+    with torch.no_grad():
+        routed = trainer_model(
+            batch.input_ids, batch.attention_mask, forced_experts=batch.forced_experts
+        ).routed_experts
+    for b, s in enumerate(samples):
+        assert (routed[b, : len(s.tokens) - 1].numpy() == s.rollout_routed_experts).all()
+
+
+def test_continuous_batching_reuses_slots():
+    model = peaked("llama", seed=0)
+    engine = Engine(model, max_batch_size=4, max_seq_len=64)
+    long = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    reqs = [Request([1, 2, 3], long)] + [Request([4, 5, i], short) for i in range(12)]
+    for r in reqs:
+        engine.add_request(r)
+    steps, done = 0, []
+    while engine.has_work():
+        done += engine.step()
+        steps += 1
+    assert len(done) == 13
+    # static batches of 4 would take 40 + 3 + 3 + 3 steps; here the 12 short ones share 3 slots
+    assert steps <= 41
+    # and slot reuse does not disturb anyone: each equals its own run alone
+    for s in done:
+        alone = Engine(model, max_batch_size=1, max_seq_len=64).generate(
+            [Request(s.tokens[: s.prompt_length], long if s.response_length == 40 else short)]
+        )[0]
+        assert alone.tokens == s.tokens
+
+
+def test_stop_rules_and_statuses():
+    model = peaked("llama", seed=0)
+    engine = Engine(model, max_batch_size=4, max_seq_len=64)
+    free = engine.generate(
+        [Request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))]
+    )[0]
+    stop_at = free.response_tokens[3]
+    first = free.response_tokens.index(stop_at)
+    s = engine.generate(
+        [Request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop_at]))]
+    )[0]
+    assert s.status == Status.COMPLETED and s.response_tokens == free.response_tokens[: first + 1]
+    assert s.loss_mask == [1] * s.response_length and len(s.rollout_log_probs) == s.response_length
+    assert free.status == Status.TRUNCATED
+
+
+def test_stop_string_with_tokenizer():
+    from miles.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = peaked("llama", seed=0, vocab_size=len(tok))
+    engine = Engine(model, tok, max_batch_size=2, max_seq_len=64)
+    free = engine.generate(
+        [Request(tok("ab").input_ids, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))]
+    )[0]
+    text = tok.decode(free.response_tokens)
+    stop = text[4:6]
+    s = engine.generate(
+        [
+            Request(
+                tok("ab").input_ids,
+                SamplingParams(temperature=0, max_new_tokens=12, stop=[stop], ignore_eos=True),
+            )
+        ]
+    )[0]
+    assert s.status == Status.COMPLETED and stop in s.response and s.response_length < 12
+
+
+def test_abort_keeps_tokens_so_far():
+    model = peaked("llama", seed=0)
+    engine = Engine(model, max_batch_size=2, max_seq_len=64)
+    for p in ([1, 2], [3, 4], [5, 6]):
+        engine.add_request(Request(p, SamplingParams(max_new_tokens=50, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    engine.abort_all()
+    out = engine.step()
+    assert len(out) == 3 and all(s.status == Status.ABORTED for s in out)
+    # step 1: prefill samples a token and decode adds one; step 2: one more. The third never started.
+    assert sorted(s.response_length for s in out) == [0, 3, 3]
+    assert not engine.has_work()
+
+
+def test_weight_update_mid_run_changes_outputs_and_versions():
+    model = peaked("qwen3_moe", seed=0)
+    new_weights = peaked("qwen3_moe", seed=9).state_dict()
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    baseline = Engine(peaked("qwen3_moe", seed=0), max_batch_size=4, max_seq_len=64).generate(
+        [Request([1, 2, 3], params)]
+    )[0]
+
+    engine = Engine(model, max_batch_size=4, max_seq_len=64)
+    engine.add_request(Request([1, 2, 3], params))
+    done = []
+    for _ in range(4):
+        done += engine.step()
+    engine.update_weights(new_weights.items())
+    assert engine.weight_version == 1
+    engine.add_request(Request([1, 2, 3], params))
+    while engine.has_work():
+        done += engine.step()
+    spanning, after = sorted(done, key=lambda s: s.metadata["request_id"])
+    assert spanning.weight_versions == [0, 1]  # says it mixes versions
+    assert after.weight_versions == [1]
+    assert spanning.tokens[:7] == baseline.tokens[:7]  # 3 prompt + 4 tokens from version 0
+    assert spanning.tokens != baseline.tokens
+    # the new weights are in effect: a fresh engine on the new model gives the same as `after`
+    fresh = Engine(peaked("qwen3_moe", seed=9), max_batch_size=4, max_seq_len=64).generate(
+        [Request([1, 2, 3], params)]
+    )[0]
+    assert after.tokens == fresh.tokens
+    # tokens after the update were computed from a cache refilled with the new weights
+    ref = response_logprobs(peaked("qwen3_moe", seed=9), [spanning])[0]
+    assert max(abs(a - b) for a, b in zip(spanning.rollout_log_probs[5:], ref[5:])) < 1e-5
+
+
+def test_weight_update_from_another_thread_lands_between_steps():
+    model = peaked("llama", seed=0)
+    engine = Engine(model, max_batch_size=4, max_seq_len=256)
+    reqs = [Request([1, 2, i], SamplingParams(max_new_tokens=200, ignore_eos=True)) for i in range(4)]
+    new = {k: v.clone() for k, v in peaked("llama", seed=4).state_dict().items()}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(samples=engine.generate(reqs)))
+    t.start()
+    engine.update_weights(new.items(), version=7)
+    t.join()
+    assert engine.weight_version == 7
+    assert all(s.weight_versions[-1] == 7 for s in result["samples"])
+    assert torch.equal(model.state_dict()["model.norm.weight"], new["model.norm.weight"])
+
+
+def test_bad_weight_update_changes_nothing():
+    model = peaked("llama", seed=0)
+    engine = Engine(model, max_batch_size=1, max_seq_len=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = [("model.norm.weight", torch.zeros(64)), ("model.embed_tokens.weight", torch.zeros(3, 3))]
+    with pytest.raises(ValueError, match=r"embed_tokens.*shape \(3, 3\)"):
+        engine.update_weights(bad)
+    with pytest.raises(ValueError, match="not a parameter"):
+        engine.update_weights([("model.nope.weight", torch.zeros(1))])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert engine.weight_version == 0
