@@ -60,6 +60,7 @@ class Engine:
         max_batch_size: int = 64,
         max_seq_len: int | None = None,
         seed: int = 0,
+        admit_batch: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -67,6 +68,8 @@ class Engine:
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         self.cache = model.new_cache(self.slots, self.max_seq_len)
         self.seed = seed
+        # while requests are decoding, admit waiting ones only once this many slots are free
+        self.admit_batch = admit_batch if admit_batch is not None else max(1, max_batch_size // 8)
         self.weight_version = 0
         self.is_moe = model.config.is_moe
         self._eos = set(model.config.eos_token_ids)
@@ -139,6 +142,15 @@ class Engine:
                 self._apply_updates()
             done.wait()
 
+    def flush_cache(self) -> bool:
+        """Zero the KV cache when no request is in flight (SGLang's /flush_cache); False if busy."""
+        with self._step_lock:
+            if self.has_work():
+                return False
+            for buf in self.cache.keys + self.cache.values:
+                buf.zero_()
+            return True
+
     def abort_all(self) -> None:
         """Finish every waiting and running request as ABORTED at the next step."""
         self._abort = True
@@ -171,6 +183,9 @@ class Engine:
 
     def _admit(self) -> list[Sample]:
         free = [s for s in range(self.slots) if s not in self._running]
+        # A prefill is one extra forward: gather a few free slots before paying for it.
+        if self._running and len(free) < min(self.admit_batch, len(self._waiting)):
+            return []
         new = []
         while free and self._waiting:
             req = self._waiting.popleft()
@@ -195,28 +210,35 @@ class Engine:
             ids[b, : len(x)] = torch.tensor(x)
         positions = torch.arange(T).expand(len(states), T)
         rows = torch.tensor([s.slot for s in states])
-        with torch.no_grad():
-            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows)
         last = torch.tensor([len(x) - 1 for x in seqs])
+        with torch.no_grad():
+            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows, logits_at=last)
         if self.is_moe:
             routed = out.routed_experts.to(torch.int32).numpy()
             for b, s in enumerate(states):
                 s.routed = [routed[b, : len(seqs[b])]]
-        return out.logits[torch.arange(len(states)), last]
+        return out.logits[:, 0]
 
     def _decode(self) -> list[Sample]:
+        """One token for every running request, over the slot range [0, highest busy slot].
+
+        Free slots inside the range run a dummy token at position 0 (harmless: a new request's
+        prefill rewrites it); the range is a view of the cache, which beats gathering rows.
+        """
         states = sorted(self._running.values(), key=lambda s: s.slot)
-        ids = torch.tensor([[s.response[-1]] for s in states])
-        positions = torch.tensor([[s.length - 1] for s in states])
-        all_slots = len(states) == self.slots
-        rows = slice(None) if all_slots else torch.tensor([s.slot for s in states])
+        span = states[-1].slot + 1
+        ids = torch.zeros(span, 1, dtype=torch.long)
+        positions = torch.zeros(span, 1, dtype=torch.long)
+        busy = torch.tensor([s.slot for s in states])
+        ids[busy, 0] = torch.tensor([s.response[-1] for s in states])
+        positions[busy, 0] = torch.tensor([s.length - 1 for s in states])
         with torch.no_grad():
-            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows)
+            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=slice(0, span))
         if self.is_moe:
-            routed = out.routed_experts[:, 0].to(torch.int32).numpy()
+            routed = out.routed_experts[busy, 0].to(torch.int32).numpy()
             for b, s in enumerate(states):
                 s.routed.append(routed[b : b + 1])
-        return self._emit(states, out.logits[:, -1])
+        return self._emit(states, out.logits[busy, -1])
 
     def _emit(self, states: list[_Running], logits: torch.Tensor) -> list[Sample]:
         """Sample one token for each state from `logits`; finish the ones that stop."""
@@ -234,24 +256,26 @@ class Engine:
             s.logprobs.append(lp)
             if not s.versions or s.versions[-1] != self.weight_version:
                 s.versions.append(self.weight_version)
-            status = self._stop_status(s, tok)
-            if status is not None:
-                finished.append(self._finish(s, status))
+            stop = self._stop_status(s, tok)
+            if stop is not None:
+                finished.append(self._finish(s, *stop))
         return finished
 
-    def _stop_status(self, s: _Running, token: int) -> Status | None:
+    def _stop_status(self, s: _Running, token: int) -> tuple[Status, dict] | None:
+        """(status, SGLang-style finish_reason) when this token ends the request."""
         p = s.request.params
         if token in s.stop_ids:
-            return Status.COMPLETED
+            return Status.COMPLETED, {"type": "stop", "matched": token}
         if p.stop:
             tail = self.tokenizer.decode(s.response[-64:], skip_special_tokens=False)
-            if any(stop in tail for stop in p.stop):
-                return Status.COMPLETED
+            for stop in p.stop:
+                if stop in tail:
+                    return Status.COMPLETED, {"type": "stop", "matched": stop}
         if len(s.response) >= p.max_new_tokens or s.length >= self.max_seq_len:
-            return Status.TRUNCATED
+            return Status.TRUNCATED, {"type": "length", "length": len(s.response)}
         return None
 
-    def _finish(self, s: _Running, status: Status) -> Sample:
+    def _finish(self, s: _Running, status: Status, reason: dict | None = None) -> Sample:
         self._running.pop(s.slot, None)
         req = s.request
         sample = req.sample if req.sample is not None else Sample()
@@ -262,6 +286,7 @@ class Engine:
         sample.status = status
         sample.weight_versions = s.versions
         sample.metadata["request_id"] = req.uid
+        sample.metadata["finish_reason"] = reason or {"type": "abort"}
         if self.tokenizer is not None:
             sample.response = self.tokenizer.decode(s.response, skip_special_tokens=True)
         if self.is_moe:

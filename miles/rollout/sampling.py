@@ -72,7 +72,9 @@ def sample_tokens(
     if bool(greedy.all()):
         tokens = logits.argmax(-1)
     else:
-        restricted = allowed_logits(scaled, top_k, top_p)
+        restricted = scaled
+        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):  # the sort costs ~25% at 49k vocab
+            restricted = allowed_logits(scaled, top_k, top_p)
         noise = torch.stack(
             [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators]
         ).clamp_(min=1e-20)

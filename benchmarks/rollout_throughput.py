@@ -1,0 +1,134 @@
+"""Rollout throughput: the miles engine against transformers' `generate`, same work, one run.
+
+    .venv/bin/python benchmarks/rollout_throughput.py            # tiny MoE @64 and SmolLM2 @16
+    .venv/bin/python benchmarks/rollout_throughput.py --only tiny
+
+Both sides get the same model weights, the same prompts and temperature-1 sampling, and
+produce the same number of tokens. Two workloads:
+
+- fixed: every prompt gets the same number of new tokens (EOS ignored): raw decoding speed.
+- mixed (RL-like): 4 batches' worth of prompts whose responses end at different lengths (drawn
+  uniformly, as EOS does in RL). transformers runs them in batches of `batch`, each row stopped
+  by a per-row stopping criterion at its length; miles gets them all at once with `batch` cache
+  slots and refills a slot as soon as its request ends (continuous batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import tempfile
+import time
+
+import torch
+import transformers
+
+from miles.models import registry, save_model
+from miles.rollout import Engine, Request, SamplingParams
+
+
+def prompts_for(tokenizer, n: int) -> list[list[int]]:
+    texts = [f"Question {i}: what is {i * 7 % 97} plus {i * 13 % 89}? Answer:" for i in range(n)]
+    return [tokenizer(t).input_ids for t in texts]
+
+
+def hf_model_of(model, hf_path):
+    """The same weights as a transformers model (saved and reloaded as an HF checkpoint)."""
+    if hf_path is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(hf_path.parent), gguf_file=hf_path.name, dtype=torch.float32
+        )
+    tmp = tempfile.mkdtemp()
+    save_model(model, tmp)
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+
+
+class StopAtLength(transformers.StoppingCriteria):
+    """Row i is done once it has lengths[i] new tokens (what EOS does at that point)."""
+
+    def __init__(self, prompt_len: int, lengths: list[int]) -> None:
+        self.prompt_len, self.lengths = prompt_len, torch.tensor(lengths)
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.prompt_len) >= self.lengths
+
+
+def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk, chunk_len = prompts[i : i + batch], lengths[i : i + batch]
+        T = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (T - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = hf.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                max_new_tokens=max(chunk_len), pad_token_id=pad, eos_token_id=None,
+                stopping_criteria=transformers.StoppingCriteriaList([StopAtLength(T, chunk_len)]),
+            )  # fmt: skip
+        assert out.shape[1] - T == max(chunk_len)
+    return sum(lengths) / (time.perf_counter() - start)
+
+
+def run_miles(model, tokenizer, prompts, lengths: list[int], batch: int) -> float:
+    engine = Engine(
+        model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1
+    )
+    requests = [
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, lengths)
+    ]
+    start = time.perf_counter()
+    samples = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    assert [s.response_length for s in samples] == lengths
+    return sum(lengths) / elapsed
+
+
+def bench(name: str, spec: str, batch: int, new_tokens: int, repeats: int) -> None:
+    with contextlib.redirect_stderr(io.StringIO()):
+        model, tokenizer = registry.load(spec)
+        hf_path = registry.model_path(spec) if spec == "smollm2" else None
+        hf = hf_model_of(model, hf_path).eval()
+    model.eval()
+    run_miles(model, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2)  # warm-up both
+    run_hf(hf, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2)
+    gen = torch.Generator().manual_seed(0)
+    workloads = {
+        "fixed": (prompts_for(tokenizer, batch), [new_tokens] * batch),
+        "mixed": (
+            prompts_for(tokenizer, 4 * batch),
+            torch.randint(new_tokens // 8, 2 * new_tokens + 1, (4 * batch,), generator=gen).tolist(),
+        ),
+    }
+    for workload, (prompts, lengths) in workloads.items():
+        ours = max(run_miles(model, tokenizer, prompts, lengths, batch) for _ in range(repeats))
+        theirs = max(run_hf(hf, tokenizer, prompts, lengths, batch) for _ in range(repeats))
+        print(
+            f"{name:<9} {workload:<5} batch {batch:>3}, {len(prompts):>3} prompts, {sum(lengths):>6} tokens: "
+            f"miles {ours:7.0f} tok/s | transformers generate {theirs:7.0f} tok/s | ratio {ours / theirs:5.2f}x",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["tiny", "smollm2"], help="run one model only")
+    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per side")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}"
+    )
+    if args.only in (None, "tiny"):
+        bench("tiny MoE", "tiny", batch=64, new_tokens=64, repeats=args.repeats)
+    if args.only in (None, "smollm2"):
+        bench("SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""`miles serve`: the rollout engine behind HTTP, with an SGLang-compatible subset.
+
+Endpoints: POST /generate, GET /health, POST /flush_cache, GET /get_model_info,
+POST /update_weights_from_disk. One engine thread runs continuous batching over every request
+in flight, so concurrent HTTP clients (agentic, multi-turn rollouts) share batches. A malformed
+request gets a 4xx with a JSON {"error": ...}; it never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from concurrent.futures import Future
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from miles.data.sample import Sample
+from miles.errors import MilesError
+from miles.rollout.engine import Engine, Request
+from miles.rollout.sampling import SamplingParams
+
+SAMPLING_KEYS = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "max_new_tokens": int,
+    "stop": (str, list),
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "seed": int,
+    "sampling_seed": int,  # SGLang's name for seed
+}
+# Accepted for SGLang compatibility; they do not change what miles returns.
+SAMPLING_NO_OPS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+TOP_LEVEL_KEYS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "return_routed_experts",
+    "rid",
+    "stream",
+}
+
+
+class BadRequest(Exception):
+    pass
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be a JSON object")
+    kwargs = {}
+    for key, value in raw.items():
+        if key in SAMPLING_NO_OPS:
+            continue
+        if key not in SAMPLING_KEYS:
+            raise BadRequest(f"sampling_params.{key} is not supported; supported: {sorted(SAMPLING_KEYS)}")
+        kind = SAMPLING_KEYS[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise BadRequest(f"sampling_params.{key} has the wrong type: {value!r}")
+        kwargs["seed" if key == "sampling_seed" else key] = value
+    try:
+        return SamplingParams(**kwargs)
+    except MilesError as e:
+        raise BadRequest(f"sampling_params: {e}") from e
+
+
+def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    """(token id lists, whether the request was a batch)."""
+    has_text, has_ids = "text" in body, "input_ids" in body
+    if has_text == has_ids:
+        raise BadRequest("give exactly one of 'text' or 'input_ids'")
+    if has_text:
+        text = body["text"]
+        if tokenizer is None:
+            raise BadRequest("this server has no tokenizer; send input_ids")
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise BadRequest("'text' must be a non-empty string or a list of them")
+        return [tokenizer(t).input_ids for t in texts], batch
+    ids = body["input_ids"]
+    batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    seqs = ids if batch else [ids]
+    for seq in seqs:
+        if (
+            not isinstance(seq, list)
+            or not seq
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in seq)
+        ):
+            raise BadRequest("'input_ids' must be a non-empty list of token ids (or a list of such lists)")
+    return seqs, batch
+
+
+def sample_response(sample: Sample, engine: Engine, logprob: bool, routed: bool) -> dict:
+    meta: dict[str, Any] = {
+        "id": str(sample.metadata["request_id"]),
+        "finish_reason": sample.metadata["finish_reason"],
+        "prompt_tokens": sample.prompt_length,
+        "completion_tokens": sample.response_length,
+        "weight_version": sample.weight_versions[-1] if sample.weight_versions else engine.weight_version,
+        "weight_versions": sample.weight_versions,
+    }
+    if logprob:
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(sample.rollout_log_probs, sample.response_tokens)
+        ]
+    if routed:
+        meta["routed_experts"] = (
+            None if sample.rollout_routed_experts is None else sample.rollout_routed_experts.tolist()
+        )
+    return {"text": sample.response, "output_ids": sample.response_tokens, "meta_info": meta}
+
+
+class EngineServer:
+    """Runs `engine` on its own thread and serves it over HTTP."""
+
+    def __init__(
+        self, engine: Engine, host: str = "127.0.0.1", port: int = 30000, model_path: str = ""
+    ) -> None:
+        self.engine, self.model_path = engine, model_path
+        self._inbox: queue.Queue[tuple[Request, Future]] = queue.Queue()
+        self._futures: dict[int, Future] = {}
+        self._stop = threading.Event()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler_class())
+        self.httpd.daemon_threads = True
+        self.host, self.port = self.httpd.server_address[:2]
+        self._threads = [
+            threading.Thread(target=self._engine_loop, daemon=True, name="miles-engine"),
+            threading.Thread(target=self.httpd.serve_forever, daemon=True, name="miles-http"),
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> EngineServer:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def submit(self, request: Request) -> Future:
+        fut: Future = Future()
+        self._inbox.put((request, fut))
+        return fut
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                timeout = 0 if self.engine.has_work() else 0.05
+                while True:
+                    request, fut = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+                    timeout = 0
+                    try:
+                        self._futures[self.engine.add_request(request)] = fut
+                    except MilesError as e:
+                        fut.set_exception(e)
+            except queue.Empty:
+                pass
+            if self.engine.has_work():
+                for sample in self.engine.step():
+                    fut = self._futures.pop(sample.metadata["request_id"], None)
+                    if fut is not None:
+                        fut.set_result(sample)
+
+    def _handler_class(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet by default
+                pass
+
+            def _send(self, status: int, payload: Any) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _body(self) -> Any:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    return json.loads(raw or b"{}")
+                except json.JSONDecodeError as e:
+                    raise BadRequest(f"request body is not valid JSON: {e}") from e
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, {"status": "ok"})
+                elif self.path == "/get_model_info":
+                    cfg = server.engine.model.config
+                    self._send(
+                        200,
+                        {
+                            "model_path": server.model_path,
+                            "is_generation": True,
+                            "model_type": cfg.model_type,
+                            "weight_version": server.engine.weight_version,
+                        },
+                    )
+                else:
+                    self._send(404, {"error": f"no such endpoint: GET {self.path}"})
+
+            def do_POST(self) -> None:
+                try:
+                    body = self._body()
+                    if self.path == "/generate":
+                        self._send(200, server.generate(body))
+                    elif self.path == "/flush_cache":
+                        ok = server.engine.flush_cache()
+                        self._send(
+                            200 if ok else 400,
+                            {
+                                "success": ok,
+                                "message": "Cache flushed."
+                                if ok
+                                else "requests in flight; cache not flushed",
+                            },
+                        )
+                    elif self.path == "/update_weights_from_disk":
+                        self._send(200, server.update_from_disk(body))
+                    else:
+                        self._send(404, {"error": f"no such endpoint: POST {self.path}"})
+                except BadRequest as e:
+                    self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+                except MilesError as e:
+                    self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+                except Exception as e:  # a bug: report it, keep serving
+                    self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
+
+        return Handler
+
+    def generate(self, body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        unknown = set(body) - TOP_LEVEL_KEYS
+        if unknown:
+            raise BadRequest(f"unsupported field(s) {sorted(unknown)}; supported: {sorted(TOP_LEVEL_KEYS)}")
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by miles serve yet")
+        params = parse_sampling(body.get("sampling_params"))
+        prompts, batch = parse_prompts(body, self.engine.tokenizer)
+        for p in prompts:
+            if len(p) >= self.engine.max_seq_len:
+                raise BadRequest(
+                    f"prompt of {len(p)} tokens does not fit the context of {self.engine.max_seq_len}"
+                )
+            if max(p) >= self.engine.model.config.vocab_size or min(p) < 0:
+                raise BadRequest(f"input_ids must be in [0, {self.engine.model.config.vocab_size})")
+        if params.stop and self.engine.tokenizer is None:
+            raise BadRequest("stop strings need a tokenizer; use stop_token_ids")
+        futures = [self.submit(Request(list(p), SamplingParams(**vars(params)))) for p in prompts]
+        samples = [f.result() for f in futures]
+        out = [
+            sample_response(
+                s, self.engine, bool(body.get("return_logprob")), bool(body.get("return_routed_experts"))
+            )
+            for s in samples
+        ]
+        return out if batch else out[0]
+
+    def update_from_disk(self, body: Any) -> dict:
+        from miles.models.checkpoint import hf_state_dict, load_model
+
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            raise BadRequest("update_weights_from_disk needs {'model_path': '<checkpoint dir>'}")
+        version = body.get("weight_version")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise BadRequest("weight_version must be an integer")
+        new = load_model(body["model_path"])
+        self.engine.update_weights(hf_state_dict(new).items(), version=version)
+        return {
+            "success": True,
+            "message": f"loaded {body['model_path']}",
+            "weight_version": self.engine.weight_version,
+        }

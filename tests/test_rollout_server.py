@@ -1,0 +1,147 @@
+"""`miles serve`: the SGLang-compatible HTTP subset, and 4xx (never a crash) on bad requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from miles.models import byte_tokenizer, save_model
+from miles.rollout import Engine, Request, SamplingParams
+from miles.rollout.server import EngineServer
+from tests.conftest import random_model
+
+
+def call(url: str, path: str, body=None, raw: bytes | None = None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server():
+    tok = byte_tokenizer()
+    model = random_model("qwen3_moe", seed=0, vocab_size=len(tok))
+    model.init_weights(std=0.15, seed=0)
+    srv = EngineServer(Engine(model, tok, max_batch_size=4, max_seq_len=128), port=0).start()
+    yield srv
+    srv.shutdown()
+
+
+def test_health_and_binding(server):
+    assert server.host == "127.0.0.1"
+    assert call(server.url, "/health") == (200, {"status": "ok"})
+
+
+def test_generate_text_matches_engine(server):
+    status, out = call(
+        server.url,
+        "/generate",
+        {
+            "text": "12+7=",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+            "return_logprob": True,
+            "return_routed_experts": True,
+        },
+    )
+    assert status == 200
+    tok = server.engine.tokenizer
+    local = Engine(server.engine.model, tok, max_batch_size=1, max_seq_len=128).generate(
+        [Request(tok("12+7=").input_ids, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))]
+    )[0]
+    assert out["output_ids"] == local.response_tokens and out["text"] == local.response
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 8
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert (
+        max(abs(a - b) for (a, _, _), b in zip(meta["output_token_logprobs"], local.rollout_log_probs)) < 1e-6
+    )
+    assert len(meta["routed_experts"]) == 5 + 8 - 1
+
+
+def test_batch_and_input_ids(server):
+    status, out = call(
+        server.url,
+        "/generate",
+        {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}},
+    )
+    assert status == 200 and isinstance(out, list) and len(out) == 2
+    assert all(len(o["output_ids"]) == 3 for o in out)
+
+
+def test_concurrent_clients_share_the_engine(server):
+    results = []
+
+    def client(i):
+        results.append(
+            call(
+                server.url,
+                "/generate",
+                {
+                    "input_ids": [i + 1, 2],
+                    "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+                },
+            )
+        )
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(s == 200 and len(o["output_ids"]) == 5 for s, o in results)
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({}, "exactly one of 'text' or 'input_ids'"),
+        ({"text": "a", "input_ids": [1]}, "exactly one"),
+        ({"input_ids": []}, "non-empty list"),
+        ({"input_ids": ["x"]}, "non-empty list"),
+        ({"input_ids": [1, 99999]}, "input_ids must be in"),
+        ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": "5"}}, "wrong type"),
+        ({"text": "a", "sampling_params": {"frequency_penalty": 1.0}}, "frequency_penalty is not supported"),
+        ({"text": "a", "bogus": 1}, "unsupported field"),
+        ({"text": "a", "stream": True}, "stream"),
+        ({"text": "x" * 200}, "does not fit"),
+    ],
+)
+def test_malformed_requests_get_400(server, body, fragment):
+    status, out = call(server.url, "/generate", body)
+    assert status == 400 and fragment in out["error"]
+
+
+def test_bad_json_and_unknown_path(server):
+    status, out = call(server.url, "/generate", raw=b"{not json")
+    assert status == 400 and "not valid JSON" in out["error"]
+    assert call(server.url, "/nope", {})[0] == 404
+    assert call(server.url, "/health")[0] == 200  # still serving
+
+
+def test_flush_cache_and_update_weights_from_disk(server, tmp_path):
+    assert call(server.url, "/flush_cache", {}) == (200, {"success": True, "message": "Cache flushed."})
+    new = random_model("qwen3_moe", seed=5, vocab_size=len(server.engine.tokenizer))
+    save_model(new, tmp_path / "new")
+    status, out = call(
+        server.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "new"), "weight_version": 3}
+    )
+    assert status == 200 and out["weight_version"] == 3
+    assert torch.equal(server.engine.model.model.norm.weight, new.model.norm.weight)
+    status, out = call(
+        server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert out["meta_info"]["weight_version"] == 3
+    status, out = call(server.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert status == 400 and "no such file" in out["error"]
