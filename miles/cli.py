@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from miles.errors import MilesError
+
+DEFAULT_JOB = Path(__file__).resolve().parent / "assets" / "default_train.yaml"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -47,6 +50,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         server.shutdown()
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    import logging
+
+    from miles.config import load_config
+    from miles.runtime.loop import train
+
+    argv = rest if rest else ["--config", str(DEFAULT_JOB)]
+    if not rest:
+        print(
+            f"miles train: no arguments, running the embedded default job ({DEFAULT_JOB.name}); see miles train --help"
+        )
+    cfg = load_config(argv)
+    logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_dir = train(cfg)
+    print(f"miles train: done; metrics in {run_dir / 'metrics.jsonl'} (plot them: miles plot {run_dir})")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    import json
+
+    from miles.train.sft import SFTConfig, run_sft
+
+    try:
+        task_config = json.loads(args.task_config) if args.task_config else None
+    except json.JSONDecodeError as e:
+        raise MilesError(f"--task-config is not valid JSON: {e}") from e
+    cfg = SFTConfig(
+        model=args.model, task=args.task, task_config=task_config, data=args.data, input_key=args.input_key,
+        label_key=args.label_key, chat=not args.no_chat, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        seed=args.seed, eval_every=args.eval_every, target_accuracy=args.target_accuracy, save=args.save, log=args.log,
+    )  # fmt: skip
+    result = run_sft(cfg)
+    print(
+        f"miles sft: {result['steps']} steps, loss {result['loss']:.4f}, held-out accuracy {result['eval_accuracy']:.3f}"
+    )
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from miles.diagnostics.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
     return 0
 
 
@@ -97,11 +147,55 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens per request")
     serve.add_argument("--seed", type=int, default=0, help="engine seed; a request's own seed overrides it")
     serve.set_defaults(func=cmd_serve)
+
+    sub.add_parser(
+        "train",
+        help="RL post-training (GRPO); no arguments = the embedded default job",
+        description="RL post-training. All flags: miles train --help",
+        add_help=False,
+    )
+
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on a task or a JSONL file",
+        description="Supervised fine-tuning: cross-entropy on the answer tokens (answer + EOS).",
+    )
+    sft.add_argument("--model", default="tiny-random", help="model to start from (default: tiny-random)")
+    sft.add_argument("--task", help="reasoning-gym task, e.g. basic_arithmetic")
+    sft.add_argument("--task-config", help="JSON keyword arguments for the task, e.g. '{\"max_digits\": 2}'")
+    sft.add_argument("--data", help="JSONL or Parquet file of prompts and answers")
+    sft.add_argument("--input-key", default="input", help="prompt field of --data")
+    sft.add_argument("--label-key", default="label", help="answer field of --data")
+    sft.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    sft.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    sft.add_argument("--batch-size", type=int, default=64, help="examples per step")
+    sft.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    sft.add_argument("--seed", type=int, default=0, help="seed for init and data order")
+    sft.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    sft.add_argument("--target-accuracy", type=float, help="stop once held-out accuracy reaches this")
+    sft.add_argument("--save", help="write the model (HF checkpoint) here")
+    sft.add_argument("--log", help="write per-step loss/accuracy JSONL here")
+    sft.set_defaults(func=cmd_sft)
+
+    plot = sub.add_parser(
+        "plot",
+        help="PNG curves of a run's metrics",
+        description="Write PNG curves (reward, accuracy, KL, logprob mismatch, lengths) of RUN_DIR/metrics.jsonl into RUN_DIR/plots.",
+    )
+    plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":  # miles train has its own generated parser (miles.config)
+        try:
+            return cmd_train(None, argv[1:])
+        except MilesError as e:
+            print(f"miles train: error: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,0 +1,282 @@
+"""Build a `RunConfig` from defaults < YAML file < command-line flags, then validate it.
+
+Every mistake fails here, before any work starts, with the flag (or YAML key) named: unknown
+names get the closest valid one suggested; features not built yet say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from miles.config.schema import RunConfig
+from miles.errors import ConfigError
+
+ENV_NOT_YET = {
+    "OPEN_TRAINING_INT4_FAKE_QAT_FLAG": "INT4 fake-quant QAT is not built yet (planned: miles.quant)",
+    "OPEN_TRAINING_INT4_GROUP_SIZE": "INT4 fake-quant QAT is not built yet (planned: miles.quant)",
+    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "FP8 block scaling is not built yet (planned: miles.quant)",
+}
+
+
+@dataclasses.dataclass
+class FieldInfo:
+    section: str
+    name: str
+    kind: Any  # int, float, str, bool, dict
+    optional: bool
+    default: Any
+    meta: dict
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> list[str]:
+        return [self.flag] + ["--" + a.replace("_", "-") for a in self.meta["aliases"]]
+
+
+def _fields() -> dict[str, FieldInfo]:
+    out: dict[str, FieldInfo] = {}
+    root_hints = typing.get_type_hints(RunConfig)
+    for section in dataclasses.fields(RunConfig):
+        cls = root_hints[section.name]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            optional = type(None) in typing.get_args(hint)
+            kind = args[0] if args else hint
+            kind = typing.get_origin(kind) or kind
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out[f.name] = FieldInfo(section.name, f.name, kind, optional, default, dict(f.metadata))
+    return out
+
+
+FIELDS = _fields()
+ALIASES = {a: info.name for info in FIELDS.values() for a in info.meta["aliases"]}
+
+
+def _convert(info: FieldInfo, value: Any, where: str) -> Any:
+    if value is None:
+        if info.optional:
+            return None
+        raise ConfigError(f"{where}: {info.name} cannot be null")
+    try:
+        if info.kind is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if info.kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if info.kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if info.kind is dict:
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+        return str(value)
+    except (TypeError, ValueError):
+        kind = getattr(info.kind, "__name__", str(info.kind))
+        raise ConfigError(f"{where}: {info.flag} expects {kind}, got {value!r}") from None
+
+
+def _suggest(name: str, section: str | None = None) -> str:
+    """'; did you mean --x?' for the closest valid name (within `section` first)."""
+    pools = []
+    if section:
+        pools.append([f for f, info in FIELDS.items() if info.section == section])
+    pools.append(list(FIELDS) + list(ALIASES))
+    for pool in pools:
+        close = difflib.get_close_matches(name, pool, n=1, cutoff=0.5)
+        if close:
+            return f"; did you mean --{close[0].replace('_', '-')}?"
+    return ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="miles train",
+        description=(
+            "Run RL post-training (GRPO by default). With no arguments: the embedded default job, a tiny MoE "
+            "model learning arithmetic on CPU. Flags override --config YAML; names follow the miles guide, "
+            "slime/miles spellings are accepted as aliases."
+        ),
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", help="YAML file with the same keys (snake_case, flat or by section)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for info in FIELDS.values():
+        if info.section not in groups:
+            doc = typing.get_type_hints(RunConfig)[info.section].__doc__ or ""
+            groups[info.section] = parser.add_argument_group(info.section, doc.strip())
+        help_text = info.meta["help"]
+        if info.meta["available"] is not True:
+            help_text += " [not available yet]"
+        if info.kind is not bool and info.default not in (None, {}, []):
+            help_text += f" (default: {info.default})"
+        if info.kind is dict:
+            continue  # YAML only
+        kwargs: dict[str, Any] = {"help": help_text, "dest": info.name}
+        if info.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = info.name.upper()
+            if info.meta["choices"]:
+                kwargs["choices"] = info.meta["choices"]
+        groups[info.section].add_argument(*info.flags, **kwargs)
+    return parser
+
+
+def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key).replace("-", "_")
+        if key in sections and isinstance(value, dict) and key not in FIELDS:
+            for sub, v in value.items():
+                sub = str(sub).replace("-", "_")
+                name = ALIASES.get(sub, sub)
+                if key == "co_evolution" and name == "interval":
+                    name = "co_evolution_interval"
+                if name not in FIELDS:
+                    raise ConfigError(f"{path}: unknown key {key}.{sub}{_suggest(sub, key)}")
+                flat[name] = v
+        else:
+            name = ALIASES.get(key, key)
+            if name not in FIELDS:
+                raise ConfigError(f"{path}: unknown key {key!r}{_suggest(key)}")
+            flat[name] = value
+    return flat
+
+
+def load_config(argv: list[str] | None = None) -> RunConfig:
+    """Parse `miles train` arguments (and the --config file) into a validated `RunConfig`."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            raise ConfigError(f"unknown flag --{name.replace('_', '-')}{_suggest(name)}")
+        raise ConfigError(f"unexpected argument {token!r} (flags start with --; see miles train --help)")
+    values: dict[str, Any] = {}
+    config_path = getattr(args, "config", None)
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"--config {config_path}: no such file")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {config_path}: not valid YAML ({e})") from e
+        for name, value in _flatten_yaml(data, str(path)).items():
+            values[name] = _convert(FIELDS[name], value, str(path))
+    for name, value in vars(args).items():
+        if name != "config":
+            values[name] = _convert(FIELDS[name], value, "command line")
+    return make_config(values)
+
+
+def make_config(values: dict[str, Any]) -> RunConfig:
+    """A validated `RunConfig` from field name -> value (anything unset keeps its default)."""
+    cfg = RunConfig()
+    for name, value in values.items():
+        info = FIELDS.get(ALIASES.get(name, name))
+        if info is None:
+            raise ConfigError(f"unknown setting {name!r}{_suggest(name)}")
+        setattr(getattr(cfg, info.section), info.name, value)
+    validate(cfg, set(values))
+    return cfg
+
+
+def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
+    for info in FIELDS.values():
+        value = getattr(getattr(cfg, info.section), info.name)
+        reason = info.meta["available"]
+        if reason is not True and value != info.default:
+            raise ConfigError(
+                f"{info.flag} is not available yet in this version of miles: {reason}. Remove it to run."
+            )
+        if info.meta["choices"] and value is not None and value not in info.meta["choices"]:
+            raise ConfigError(f"{info.flag} {value!r} is not one of {list(info.meta['choices'])}")
+    for var, reason in ENV_NOT_YET.items():
+        if os.environ.get(var, "").strip() not in ("", "0"):
+            raise ConfigError(f"environment variable {var} is set, but {reason}. Unset it to run.")
+    r, a, t = cfg.rollout, cfg.algo, cfg.train
+    positive = {
+        "num_rollout": r.num_rollout, "rollout_batch_size": r.rollout_batch_size,
+        "n_samples_per_prompt": r.n_samples_per_prompt, "rollout_max_response_len": r.rollout_max_response_len,
+        "micro_batch_size": t.micro_batch_size, "num_steps_per_rollout": t.num_steps_per_rollout,
+        "rollout_max_batch_size": r.rollout_max_batch_size,
+    }  # fmt: skip
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if t.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {t.lr}")
+    total = r.rollout_batch_size * r.n_samples_per_prompt
+    if t.global_batch_size is None:
+        if total % t.num_steps_per_rollout:
+            raise ConfigError(
+                f"rollout_batch_size x n_samples_per_prompt = {total} samples do not split into "
+                f"--num-steps-per-rollout {t.num_steps_per_rollout} equal optimizer steps"
+            )
+        t.global_batch_size = total // t.num_steps_per_rollout
+    elif t.global_batch_size * t.num_steps_per_rollout != total:
+        raise ConfigError(
+            f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt} = {total} "
+            f"must equal --global-batch-size {t.global_batch_size} x --num-steps-per-rollout {t.num_steps_per_rollout}"
+        )
+    if t.micro_batch_size > t.global_batch_size:
+        t.micro_batch_size = t.global_batch_size
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"--micro-batch-size {t.micro_batch_size} must divide --global-batch-size {t.global_batch_size}"
+        )
+    if a.advantage_estimator in ("grpo", "gspo", "rloo") and r.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"--advantage-estimator {a.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"
+        )
+    if a.advantage_estimator == "ppo":
+        raise ConfigError(
+            "--advantage-estimator ppo needs a critic, which `miles train` does not build yet; use grpo, gspo, rloo or reinforce_plus_plus"
+        )
+    if a.tis_threshold is not None:
+        if not 0 < a.tis_threshold <= 1:
+            raise ConfigError(f"--tis-threshold must be in (0, 1], got {a.tis_threshold}")
+        a.use_tis = True
+    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
+        raise ConfigError(f"--eps-clip-c must be > 1, got {a.eps_clip_c}")
+    if cfg.data.task and cfg.data.prompt_data:
+        raise ConfigError("give --task or --prompt-data, not both")
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+        raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
+    if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
+        cfg.logging.log_level = "DEBUG"
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,335 @@
+"""The run configuration: one typed tree, each field with its default and help in one place.
+
+Flag names are the field names with dashes (`--rollout-batch-size`); the names of
+shared/spec/troubleshooting.md are primary and the slime/miles spellings are aliases. YAML files
+use the same names in snake_case, flat or nested by section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles.config.fields import (
+    NOT_YET_DIST,
+    NOT_YET_FP8,
+    NOT_YET_INT4,
+    NOT_YET_MA,
+    NOT_YET_MOE,
+    NOT_YET_PROFILE,
+    NOT_YET_SPEC,
+    option,
+)
+
+
+@dataclass
+class ModelSection:
+    """Which model to train."""
+
+    model: str = option(
+        "tiny",
+        "checkpoint directory, .gguf file, or tiny / tiny-random / smollm2",
+        aliases=("hf_checkpoint",),
+    )
+
+
+@dataclass
+class DataSection:
+    """Prompts, tasks and evaluation."""
+
+    task: str | None = option(
+        None, "a reasoning-gym task as prompt source and reward, e.g. basic_arithmetic, countdown"
+    )
+    task_config: dict = option({}, "keyword arguments for the reasoning-gym task (YAML only)")
+    task_size: int = option(100_000, "how many task problems to generate for training")
+    prompt_data: str | None = option(None, "JSONL or Parquet file of prompts")
+    input_key: str = option("input", "field of --prompt-data holding the prompt")
+    label_key: str | None = option("label", "field of --prompt-data holding the reference answer")
+    metadata_key: str | None = option(None, "field of --prompt-data passed to the reward as metadata")
+    apply_chat_template: bool = option(
+        False, "wrap each prompt in the tokenizer's chat template as a user turn"
+    )
+    eval_prompt_data: str | None = option(
+        None, "JSONL or Parquet file of held-out prompts (default: held-out task problems)"
+    )
+    eval_size: int = option(200, "held-out problems to evaluate on")
+    eval_interval: int = option(10, "evaluate every N rollouts (0: only at the start and the end)")
+
+
+@dataclass
+class RolloutSection:
+    """Generation of samples."""
+
+    num_rollout: int = option(100, "number of RL steps (rollout + train)")
+    rollout_batch_size: int = option(32, "prompts per rollout")
+    n_samples_per_prompt: int = option(8, "responses per prompt (the GRPO group)")
+    rollout_max_response_len: int = option(64, "maximum new tokens per response")
+    rollout_temperature: float = option(1.0, "sampling temperature")
+    rollout_top_p: float = option(1.0, "nucleus sampling; keep 1.0 for unbiased RL logprobs")
+    rollout_top_k: int = option(-1, "top-k sampling; -1 = off")
+    rollout_max_batch_size: int = option(256, "requests the engine decodes at once (KV-cache slots)")
+    rollout_seed: int = option(0, "engine sampling seed")
+    over_sampling_batch_size: int | None = option(
+        None, "prompts to draw per rollout before dynamic-sampling filters (default: rollout_batch_size)"
+    )
+    dynamic_sampling_filter_path: str | None = option(
+        None,
+        "module:function keeping a group (True) or dropping it; 'default' drops groups whose rewards are all equal",
+    )
+    partial_rollout: bool = option(
+        False, "carry unfinished responses to the next rollout", available="partial rollout is not built yet"
+    )
+
+
+@dataclass
+class RewardSection:
+    """How responses are scored."""
+
+    rm_type: str = option(
+        "auto",
+        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym",
+        choices=("auto", "exact", "boxed", "reasoning_gym"),
+    )
+    custom_rm_path: str | None = option(
+        None, "module:function reward(sample) -> float (sync or async); replaces --rm-type"
+    )
+    group_rm: bool = option(False, "the custom reward takes a whole group and returns a list of floats")
+    reward_timeout: float = option(30.0, "seconds before a reward call counts as failed (reward 0)")
+
+
+@dataclass
+class AlgoSection:
+    """Advantages, losses and train/inference mismatch corrections."""
+
+    advantage_estimator: str = option(
+        "grpo",
+        "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline",
+        choices=("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
+    )
+    disable_grpo_std_normalization: bool = option(
+        False, "Dr.GRPO: advantages r - mean(group), no division by std"
+    )
+    normalize_advantages: bool = option(False, "whiten advantages over the batch's response tokens")
+    eps_clip: float = option(0.2, "PPO clip epsilon (lower)")
+    eps_clip_high: float | None = option(
+        None, "PPO clip epsilon (upper; DAPO clip-higher uses 0.28); default = eps_clip"
+    )
+    eps_clip_c: float | None = option(
+        None, "dual-clip constant (> 1) bounding the loss of negative advantages"
+    )
+    loss_agg_mode: str = option(
+        "token-mean",
+        "token-mean | seq-mean-token-mean | seq-mean-token-sum-norm",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
+    entropy_coef: float = option(0.0, "weight of the entropy bonus")
+    use_kl_loss: bool = option(False, "add a KL(policy || reference) loss term")
+    kl_loss_coef: float = option(0.0, "weight of the KL loss term")
+    kl_loss_type: str = option(
+        "low_var_kl", "KL estimator: k1 | k2 | k3 | low_var_kl", choices=("k1", "k2", "k3", "low_var_kl")
+    )
+    kl_coef: float = option(0.0, "KL penalty in the reward (REINFORCE++)")
+    gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)")
+    lambd: float = option(1.0, "GAE lambda")
+    use_tis: bool = option(
+        False, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, tis_clip)"
+    )
+    tis_clip: float = option(2.0, "TIS upper bound C")
+    tis_clip_low: float = option(0.0, "TIS lower bound")
+    tis_threshold: float | None = option(
+        None, "trust band (0, 1]: tokens whose ratio is outside [t, 1/t] are masked (implies --use-tis)"
+    )
+    tis_mode: str = option("truncate", "truncate (TIS) or mask (MIS / icepop)", choices=("truncate", "mask"))
+    tis_level: str = option(
+        "token", "token | sequence | geometric importance ratio", choices=("token", "sequence", "geometric")
+    )
+    use_r3: bool = option(
+        False,
+        "Rollout Routing Replay: replay the engine's MoE routing in training",
+        aliases=("use_rollout_routing_replay",),
+    )
+    r3_buffer_size: int | None = option(
+        None,
+        "bound on stored routing records",
+        available="a routing-record buffer bound is not built yet; routing is kept per sample",
+    )
+    verify_logprobs: bool = option(
+        False,
+        "check trainer vs rollout logprobs every step; stop when the mean gap exceeds --verify-logprobs-threshold",
+    )
+    verify_logprobs_threshold: float = option(
+        0.1, "mean |logp_train - logp_rollout| above which --verify-logprobs stops the run"
+    )
+    deterministic_expert_routing: bool = option(
+        False,
+        "deterministic top-k routing",
+        available="deterministic routing kernels are not built yet; use --use-r3",
+    )
+
+
+@dataclass
+class TrainSection:
+    """The optimizer and the batch layout."""
+
+    lr: float = option(1e-6, "learning rate")
+    min_lr: float = option(0.0, "final learning rate of the cosine decay")
+    lr_decay_style: str = option("constant", "constant | cosine", choices=("constant", "cosine"))
+    warmup_steps: int = option(0, "linear LR warm-up steps", aliases=("lr_warmup_iters",))
+    warmup_precision: str | None = option(None, "precision during warm-up (bf16)", available=NOT_YET_FP8)
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.98, "AdamW beta2")
+    clip_grad: float = option(1.0, "gradient-norm clip (0: off)")
+    global_batch_size: int | None = option(
+        None,
+        "samples per optimizer step (default: rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout)",
+    )
+    micro_batch_size: int = option(
+        64, "samples per forward/backward (gradient accumulation up to the global batch)"
+    )
+    num_steps_per_rollout: int = option(1, "optimizer steps per rollout")
+    seed: int = option(1234, "training seed (data order, init)")
+    aux_loss_coef: float = option(0.0, "MoE load-balancing loss weight", aliases=("moe_aux_loss_coeff",))
+    moe_capacity_factor: float | None = option(
+        None, "expert capacity", aliases=("moe_expert_capacity_factor",), available=NOT_YET_MOE
+    )
+    expert_model_parallel_size: int = option(1, "expert parallelism", available=NOT_YET_DIST)
+    offload_experts: bool = option(False, "offload experts to CPU", available=NOT_YET_DIST)
+
+
+@dataclass
+class CheckpointSection:
+    """Saving and resuming."""
+
+    save: str | None = option(
+        None, "directory for checkpoints (model, optimizer, scheduler, RNG, data position)"
+    )
+    load: str | None = option(None, "checkpoint directory to resume from (its latest checkpoint)")
+    save_interval: int = option(0, "save every N rollouts (0: only at the end)")
+    save_hf: str | None = option(None, "export the final policy as a Hugging Face checkpoint here")
+
+
+@dataclass
+class LoggingSection:
+    """Where results go and how loud."""
+
+    output_dir: str | None = option(None, "run directory for metrics.jsonl and plots (default: runs/<time>)")
+    use_tensorboard: bool = option(False, "also write TensorBoard event files")
+    use_wandb: bool = option(False, "also log to Weights & Biases (offline unless WANDB_MODE says otherwise)")
+    wandb_project: str = option("miles", "wandb project")
+    log_level: str = option(
+        "INFO",
+        "DEBUG | INFO | WARNING (MILES_DEBUG=1 means DEBUG)",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+    )
+    progress: bool = option(True, "show a progress display")
+    profile: bool = option(False, "record a profile", available=NOT_YET_PROFILE)
+    profile_dir: str | None = option(None, "where profiles go", available=NOT_YET_PROFILE)
+
+
+@dataclass
+class PrecisionSection:
+    """Low precision (FP8 / INT4)."""
+
+    fp8_format: str | None = option(None, "e4m3 | hybrid", available=NOT_YET_FP8)
+    fp8_recipe: str | None = option(None, "blockwise | tensorwise | delayed", available=NOT_YET_FP8)
+    fp8_dynamic_scaling: bool = option(False, "current (dynamic) FP8 scaling", available=NOT_YET_FP8)
+    fp8_skip_layers: str | None = option(
+        None, "comma-separated layer patterns kept in high precision", available=NOT_YET_FP8
+    )
+    int4_group_size: int | None = option(
+        None, "INT4 group size (must divide the hidden size)", available=NOT_YET_INT4
+    )
+    int4_skip_layers: str | None = option(
+        None, "comma-separated layer patterns kept in high precision", available=NOT_YET_INT4
+    )
+
+
+@dataclass
+class SpeculativeSection:
+    """Speculative rollout with a draft model."""
+
+    draft_model: str | None = option(None, "draft model for speculative decoding", available=NOT_YET_SPEC)
+    spec_lookahead: int | None = option(None, "draft tokens proposed per step", available=NOT_YET_SPEC)
+    online_sft_interval: int | None = option(
+        None, "SFT the draft on the policy's rollouts every N steps", available=NOT_YET_SPEC
+    )
+    draft_lr: float | None = option(None, "draft learning rate", available=NOT_YET_SPEC)
+    draft_ema_decay: float | None = option(None, "EMA of draft weights", available=NOT_YET_SPEC)
+    reinit_draft_interval: int | None = option(
+        None, "re-initialise the draft every N steps", available=NOT_YET_SPEC
+    )
+    profile_speculative: bool = option(False, "profile speculative decoding", available=NOT_YET_SPEC)
+
+
+@dataclass
+class SyncSection:
+    """Moving weights from the trainer to the rollout engine."""
+
+    colocate: bool = option(
+        False, "training and rollout share devices (always true for the local one-process executor)"
+    )
+    sync_bucket_size: int = option(
+        512 * 1024**2, "bytes per weight-sync bucket", aliases=("update_weight_buffer_size",)
+    )
+    use_zero_copy_sync: bool = option(False, "pass memory handles instead of bytes", available=NOT_YET_DIST)
+    async_weight_sync: bool = option(
+        False, "overlap the weight transfer with the next rollout", available=NOT_YET_DIST
+    )
+    update_weights_interval: int = option(1, "push weights to the engine every N rollouts")
+    check_weight_update_equal: bool = option(
+        False, "after each push, compare engine and trainer weights by checksum"
+    )
+    actor_num_nodes: int = option(1, "training nodes", available=NOT_YET_DIST)
+    actor_num_gpus_per_node: int = option(1, "training devices per node", available=NOT_YET_DIST)
+    rollout_num_gpus: int | None = option(None, "devices for rollout engines", available=NOT_YET_DIST)
+    rollout_num_gpus_per_engine: int = option(1, "devices per rollout engine", available=NOT_YET_DIST)
+
+
+@dataclass
+class CoEvolutionSection:
+    """Several policies trained together (YAML section `co_evolution:`)."""
+
+    strategy: str | None = option(None, "alternating | simultaneous", available=NOT_YET_MA)
+    population_size: int | None = option(None, "snapshots kept as opponents", available=NOT_YET_MA)
+    co_evolution_interval: int | None = option(
+        None, "steps between co-evolution updates", available=NOT_YET_MA
+    )
+
+
+@dataclass
+class DebugSection:
+    """Split the system to find a problem."""
+
+    debug_rollout_only: bool = option(False, "generate and score, never train")
+    debug_train_only: bool = option(
+        False,
+        "train on --load-debug-rollout-data, never generate",
+        available="saved-rollout replay is not built yet",
+    )
+    save_debug_rollout_data: str | None = option(
+        None,
+        "save each rollout's samples to this path pattern (with {rollout_id})",
+        available="saved-rollout replay is not built yet",
+    )
+    load_debug_rollout_data: str | None = option(
+        None,
+        "train on samples saved by --save-debug-rollout-data",
+        available="saved-rollout replay is not built yet",
+    )
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    sync: SyncSection = field(default_factory=SyncSection)
+    co_evolution: CoEvolutionSection = field(default_factory=CoEvolutionSection)
+    debug: DebugSection = field(default_factory=DebugSection)

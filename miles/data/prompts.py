@@ -1,0 +1,126 @@
+"""Prompt sources: JSONL / Parquet files and reasoning-gym task generators.
+
+Each yields `PromptItem`s (prompt, label, metadata); the loop turns each into a group of
+`n_samples_per_prompt` samples. A source has a position so a resumed run continues exactly
+where it stopped, with the same order.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.errors import ConfigError
+
+
+@dataclass
+class PromptItem:
+    prompt: str | list[dict[str, str]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def read_records(path: str | Path, flag: str = "--prompt-data") -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:
+            raise ConfigError(f"{flag} {path}: not a readable Parquet file ({e})") from e
+    records = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} {path}, line {lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(record, dict):
+                raise ConfigError(f"{flag} {path}, line {lineno}: expected a JSON object per line")
+            records.append(record)
+    return records
+
+
+def file_prompts(
+    path: str | Path,
+    input_key: str,
+    label_key: str | None,
+    metadata_key: str | None,
+    flag: str = "--prompt-data",
+) -> list[PromptItem]:
+    records = read_records(path, flag)
+    if not records:
+        raise ConfigError(f"{flag} {path}: the file has no records")
+    items = []
+    for i, record in enumerate(records):
+        if input_key not in record:
+            keys = sorted(record)
+            raise ConfigError(
+                f"{flag} {path}, record {i}: no key {input_key!r} (--input-key); its keys are {keys}"
+            )
+        if label_key and label_key not in record:
+            raise ConfigError(
+                f"{flag} {path}, record {i}: no key {label_key!r} (--label-key); its keys are {sorted(record)}"
+            )
+        meta = record.get(metadata_key) if metadata_key else None
+        if meta is not None and not isinstance(meta, dict):
+            raise ConfigError(
+                f"{flag} {path}, record {i}: {metadata_key!r} (--metadata-key) must be an object"
+            )
+        items.append(
+            PromptItem(record[input_key], record.get(label_key) if label_key else None, dict(meta or {}))
+        )
+    return items
+
+
+def task_prompts(task: str, size: int, seed: int, config: dict[str, Any]) -> tuple[list[PromptItem], Any]:
+    """`size` problems of a reasoning-gym task, and the dataset object (its scorer)."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, list(DATASETS), n=3)
+        raise ConfigError(
+            f"--task {task!r} is not a reasoning-gym task; close names: {close or sorted(DATASETS)[:10]}"
+        )
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
+    except KeyError as e:
+        raise ConfigError(f"--task {task!r} is not a reasoning-gym task ({e})") from e
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError(f"--task {task}: bad task_config {config} ({e})") from e
+    items = [PromptItem(e["question"], e["answer"], {"rg_entry": e}) for e in dataset]
+    return items, dataset
+
+
+class PromptStream:
+    """An endless, reshuffled-per-epoch walk over items; `position` resumes it exactly."""
+
+    def __init__(self, items: list[PromptItem], seed: int, shuffle: bool = True) -> None:
+        if not items:
+            raise ConfigError("the prompt dataset is empty")
+        self.items, self.seed, self.shuffle = items, seed, shuffle
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[PromptItem]:
+        out = []
+        for _ in range(n):
+            epoch, offset = divmod(self.position, len(self.items))
+            out.append(self.items[self._order(epoch)[offset]])
+            self.position += 1
+        return out

@@ -1,0 +1,1 @@
+"""miles.diagnostics: plots and checks of a run's metrics."""

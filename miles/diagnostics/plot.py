@@ -1,0 +1,53 @@
+"""`miles plot RUN_DIR`: PNG curves of the metrics people look at first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles.errors import MilesError
+from miles.runtime.metrics import read_metrics
+
+PANELS = [
+    ("reward", ["reward_mean"]),
+    ("accuracy", ["accuracy", "eval_accuracy"]),
+    ("kl", ["ppo_kl", "kl_loss", "kl_rollout_train_k3"]),
+    ("logprob_mismatch", ["train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max"]),
+    ("lengths", ["response_len_mean"]),
+    ("loss", ["pg_loss", "entropy"]),
+]
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise MilesError(f"{run_dir}: no metrics.jsonl here; give the run directory that miles train printed")
+    records = read_metrics(run_dir)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for name, keys in PANELS:
+        series = {
+            k: [(r["rollout"], r[k]) for r in records if isinstance(r.get(k), (int, float))] for k in keys
+        }
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for k, points in series.items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=k)
+        ax.set_xlabel("rollout")
+        ax.set_title(name.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,6 @@
+"""miles.rewards: built-in rewards and loading a user's reward function by path."""
+
+from miles.rewards.builtin import boxed_answer, exact_match
+from miles.rewards.runner import RewardRunner, load_function
+
+__all__ = ["RewardRunner", "boxed_answer", "exact_match", "load_function"]

@@ -1,0 +1,1 @@
+"""miles.runtime: the RL loop and its executors."""

@@ -1,0 +1,200 @@
+"""The RL loop, local executor: rollout, reward, advantages, train, push weights, log, eval, save.
+
+Everything runs in this process: the trainer's model and the engine's model are separate copies
+of the same `miles.models` code, and weights move between them by `engine.update_weights`, as
+they would between processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from miles.algo import advantages as adv_lib
+from miles.algo.filters import nonconstant_reward
+from miles.config import to_dict
+from miles.config.schema import RunConfig
+from miles.errors import MilesError
+from miles.models import registry
+from miles.models.checkpoint import hf_state_dict, save_model
+from miles.rewards.runner import RewardRunner, load_function
+from miles.rollout.engine import Engine
+from miles.rollout.rollout import generate_groups, rollout
+from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
+from miles.runtime.metrics import MetricsLogger
+from miles.runtime.setup import build_data, run_dir_for
+from miles.train.actor import Actor
+
+log = logging.getLogger("miles")
+
+
+def compute_advantages(groups, cfg: RunConfig, actor: Actor) -> list[torch.Tensor]:
+    """Per-token advantages for each sample, in group order."""
+    a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    samples = [s for g in groups for s in g]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    lengths = [s.response_length for s in samples]
+    if a.advantage_estimator in ("grpo", "gspo"):
+        per_sample = adv_lib.grpo(rewards, n, std_normalize=not a.disable_grpo_std_normalization)
+    elif a.advantage_estimator == "rloo":
+        per_sample = adv_lib.rloo(rewards, n)
+    else:  # reinforce_plus_plus(_baseline): per token, with the KL penalty in the reward
+        T = max(lengths)
+        mask = torch.tensor([[1.0] * n_ + [0.0] * (T - n_) for n_ in lengths])
+        kl = torch.zeros_like(mask)
+        if actor.ref_model is not None and a.kl_coef > 0:
+            old, ref = actor.logprobs(samples), actor.logprobs(samples, actor.ref_model)
+            for i, (o, r) in enumerate(zip(old, ref)):
+                kl[i, : len(o)] = o - r
+        if a.advantage_estimator == "reinforce_plus_plus":
+            tok = adv_lib.reinforce_plus_plus(rewards, kl, mask, a.kl_coef, a.gamma)
+        else:
+            tok = adv_lib.reinforce_plus_plus_baseline(rewards, n, kl, mask, a.kl_coef, a.gamma)
+        return [tok[i, :L] for i, L in enumerate(lengths)]
+    if a.normalize_advantages:
+        mask = torch.tensor([[1.0] * L + [0.0] * (max(lengths) - L) for L in lengths])
+        tok = adv_lib.whiten(adv_lib.to_tokens(per_sample, mask), mask)
+        return [tok[i, :L] for i, L in enumerate(lengths)]
+    return [per_sample[i].expand(L) for i, L in enumerate(lengths)]
+
+
+def evaluate(engine: Engine, items, cfg: RunConfig, rewards: RewardRunner) -> dict[str, float]:
+    """Greedy answers to the held-out prompts: accuracy (reward 1) and mean reward."""
+    groups = generate_groups(engine, items, cfg, rollout_id=-1, n=1, temperature=0.0, seed_base=0)
+    rewards.score_groups(groups)
+    samples = [g[0] for g in groups]
+    return {
+        "eval_accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
+        "eval_reward": sum(s.reward for s in samples) / len(samples),
+    }
+
+
+def push_weights(policy, engine: Engine, version: int, bucket_bytes: int, check_equal: bool) -> int:
+    """Send the policy's HF-named tensors to the engine in buckets of at most `bucket_bytes`;
+    returns the number of buckets. With `check_equal`, compare checksums afterwards."""
+    state = hf_state_dict(policy)
+    bucket, size, buckets = [], 0, 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            engine.update_weights(bucket, version=version)
+            bucket, size, buckets = [], 0, buckets + 1
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        engine.update_weights(bucket, version=version)
+        buckets += 1
+    if check_equal:
+        engine_state = engine.model.state_dict()
+        differ = [n for n, t in state.items() if not torch.equal(engine_state[n], t)]
+        if differ:
+            raise MilesError(
+                f"--check-weight-update-equal: engine weights differ from the trainer's after sync: {differ[:5]}"
+            )
+    return buckets
+
+
+def train(cfg: RunConfig) -> Path:
+    torch.manual_seed(cfg.train.seed)
+    policy, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)
+    data = build_data(cfg)
+    rewards = RewardRunner(
+        cfg.reward.rm_type,
+        cfg.reward.custom_rm_path,
+        cfg.reward.group_rm,
+        cfg.reward.reward_timeout,
+        data.task_dataset,
+    )
+    keep = None
+    if cfg.rollout.dynamic_sampling_filter_path:
+        p = cfg.rollout.dynamic_sampling_filter_path
+        keep = nonconstant_reward if p == "default" else load_function(p, "--dynamic-sampling-filter-path")
+    actor = Actor(policy, cfg)
+    engine = Engine(copy.deepcopy(policy), tokenizer, cfg.rollout.rollout_max_batch_size, seed=cfg.rollout.rollout_seed,
+                    max_seq_len=min(policy.config.max_position_embeddings, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1))  # fmt: skip
+    run_dir = run_dir_for(cfg)
+    metrics = MetricsLogger(
+        run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
+    )
+    start = 0
+    for d in (cfg.checkpoint.save, cfg.checkpoint.load):
+        if d:
+            clear_stale(d)
+    if cfg.checkpoint.load and (ckpt := latest_checkpoint(cfg.checkpoint.load)) is not None:
+        state = load_checkpoint(ckpt, policy)
+        actor.load_state_dict(state["actor"])
+        data.train.position = state["data_position"]
+        engine.update_weights(hf_state_dict(policy).items(), version=state["rollout_id"] + 1)
+        start = state["rollout_id"] + 1
+        metrics.truncate_after(state["rollout_id"])
+        log.info("resumed from %s at rollout %d", ckpt, start)
+    elif start == 0 and data.eval_items:
+        metrics.log(-1, evaluate(engine, data.eval_items, cfg, rewards))
+    bar = tqdm(
+        range(start, cfg.rollout.num_rollout),
+        desc="miles train",
+        unit="step",
+        disable=not cfg.logging.progress,
+        initial=start,
+        total=cfg.rollout.num_rollout,
+    )
+    for rollout_id in bar:
+        t0 = time.perf_counter()
+        draw = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
+        groups, step = rollout(engine, data.train.take(draw), cfg, rewards, rollout_id, keep)
+        t1 = time.perf_counter()
+        if groups and not cfg.debug.debug_rollout_only:
+            samples = [s for g in groups for s in g]
+            step.update(actor.train(samples, compute_advantages(groups, cfg, actor)))
+            if (
+                cfg.algo.verify_logprobs
+                and step.get("train_rollout_logprob_abs_diff", 0.0) > cfg.algo.verify_logprobs_threshold
+            ):
+                raise MilesError(
+                    f"--verify-logprobs: mean |logp_train - logp_rollout| = {step['train_rollout_logprob_abs_diff']:.4g} "
+                    f"exceeds {cfg.algo.verify_logprobs_threshold} at rollout {rollout_id}; try --use-r3 and --use-tis"
+                )
+            if (rollout_id + 1) % cfg.sync.update_weights_interval == 0:
+                step["sync_buckets"] = push_weights(
+                    policy,
+                    engine,
+                    rollout_id + 1,
+                    cfg.sync.sync_bucket_size,
+                    cfg.sync.check_weight_update_equal,
+                )
+        t2 = time.perf_counter()
+        step.update(
+            rollout_time=t1 - t0, train_time=t2 - t1, step_time=t2 - t0, weight_version=engine.weight_version
+        )
+        last = rollout_id == cfg.rollout.num_rollout - 1
+        if data.eval_items and (
+            last or (cfg.data.eval_interval and (rollout_id + 1) % cfg.data.eval_interval == 0)
+        ):
+            step.update(evaluate(engine, data.eval_items, cfg, rewards))
+        metrics.log(rollout_id, step)
+        bar.set_postfix(
+            reward=f"{step['reward_mean']:.2f}",
+            acc=f"{step['accuracy']:.2f}",
+            eval=f"{step.get('eval_accuracy', float('nan')):.2f}",
+            s=f"{step['step_time']:.1f}",
+        )
+        if cfg.checkpoint.save and (
+            last or (cfg.checkpoint.save_interval and (rollout_id + 1) % cfg.checkpoint.save_interval == 0)
+        ):
+            save_checkpoint(
+                cfg.checkpoint.save,
+                rollout_id,
+                policy,
+                tokenizer,
+                {"actor": actor.state_dict(), "data_position": data.train.position},
+            )
+    bar.close()
+    metrics.close()
+    if cfg.checkpoint.save_hf:
+        save_model(policy, cfg.checkpoint.save_hf, tokenizer=tokenizer)
+    return run_dir

@@ -1,0 +1,76 @@
+"""Run metrics: a JSONL file always, TensorBoard and wandb when asked."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from miles.errors import MilesError
+
+log = logging.getLogger("miles")
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "miles",
+        config: dict | None = None,
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = self.wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise MilesError(
+                    "--use-tensorboard needs the tensorboard package: pip install tensorboard"
+                ) from e
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb:
+            try:
+                import os
+
+                import wandb as wandb_lib
+            except ImportError as e:
+                raise MilesError("--use-wandb needs the wandb package: pip install wandb") from e
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.wb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config or {})
+
+    def truncate_after(self, rollout_id: int) -> None:
+        """Drop lines past `rollout_id` (a resumed run rewrites them)."""
+        if not self.path.exists():
+            return
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["rollout"] <= rollout_id
+        ]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        record = {"rollout": rollout_id, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, rollout_id)
+            self.tb.flush()
+        if self.wb is not None:
+            self.wb.log(numeric, step=rollout_id)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,204 @@
+"""The policy trainer: recompute log-probs, compute the RL loss, step AdamW.
+
+One `train(samples, advantages)` call is one rollout's worth of training: the samples are split
+into `num_steps_per_rollout` optimizer steps of `global_batch_size`, each accumulated over
+micro-batches. A step whose loss or gradient is not finite is skipped and counted; the weights
+are never updated with NaN.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from miles.algo.logprobs import entropy as entropy_of
+from miles.algo.losses import kl_estimate, policy_loss
+from miles.algo.masked import aggregate, masked_mean
+from miles.algo.mismatch import importance_weights, mismatch_metrics
+from miles.config.schema import RunConfig
+from miles.data.sample import Sample
+from miles.models.transformer import Transformer
+from miles.train.logprobs import PackedBatch, forward_logprobs, pack
+
+
+def lr_lambda(cfg: RunConfig):
+    t, total = cfg.train, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_decay_style == "cosine":
+            progress = min(1.0, (step - t.warmup_steps) / max(1, total - t.warmup_steps))
+            floor = t.min_lr / t.lr
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def load_balancing_loss(
+    router_logits: list[torch.Tensor], routed: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Switch-style aux loss E * sum_e f_e * P_e per MoE layer, averaged over layers.
+
+    f_e: fraction of (token, slot) choices that went to expert e; P_e: mean router probability.
+    It is 1 for perfectly uniform routing and grows as load concentrates.
+    """
+    m = mask.bool()
+    losses = []
+    for layer, logits in enumerate(router_logits):
+        E = logits.shape[-1]
+        probs = logits.float().softmax(-1)[m]  # (N, E)
+        chosen = torch.nn.functional.one_hot(routed[:, :, layer][m], E).float().sum(1)  # (N, E)
+        f = chosen.mean(0) / chosen.sum(-1).mean()
+        losses.append(E * (f * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+class Actor:
+    def __init__(self, model: Transformer, cfg: RunConfig) -> None:
+        self.model, self.cfg = model.train(), cfg
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        a = cfg.algo
+        self.ref_model = None
+        if (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.skipped_steps = 0
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state["skipped_steps"]
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample], model: Transformer | None = None) -> list[torch.Tensor]:
+        """Per-sample response log-probs under `model` (default: the policy), micro-batched."""
+        model = model or self.model
+        out = []
+        mb = self.cfg.train.micro_batch_size
+        for i in range(0, len(samples), mb):
+            chunk = samples[i : i + mb]
+            batch = pack(chunk, self.cfg.algo.use_r3)
+            logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
+            for b, s in enumerate(chunk):
+                out.append(logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone())
+        return out
+
+    def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
+        """One rollout of training; `advantages[i]` is per response token of sample i."""
+        cfg = self.cfg
+        old = self.logprobs(samples)
+        ref = self.logprobs(samples, self.ref_model) if self.ref_model is not None else None
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+
+        def log(name: str, value) -> None:
+            sums[name] += float(value)
+            counts[name] += 1
+
+        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        for start in range(0, len(samples), gbs):
+            idx = list(range(start, min(start + gbs, len(samples))))
+            self.optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for m0 in range(0, len(idx), mbs):
+                mi = idx[m0 : m0 + mbs]
+                loss, parts = self._micro_batch(
+                    [samples[i] for i in mi],
+                    [advantages[i] for i in mi],
+                    [old[i] for i in mi],
+                    None if ref is None else [ref[i] for i in mi],
+                )
+                for k, v in parts.items():
+                    log(k, v)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                (loss * len(mi) / len(idx)).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
+            )
+            if not finite or not torch.isfinite(grad_norm):
+                self.skipped_steps += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                log("skipped_step", 1)
+                continue
+            log("grad_norm", grad_norm)
+            log("lr", self.scheduler.get_last_lr()[0])
+            self.optimizer.step()
+            self.scheduler.step()
+            log("skipped_step", 0)
+        return {k: sums[k] / counts[k] for k in sums}
+
+    def _micro_batch(self, samples, advantages, old, ref) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg, a = self.cfg, self.cfg.algo
+        batch: PackedBatch = pack(samples, a.use_r3)
+        logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
+        mask = batch.response_mask
+        adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
+        for b, s in enumerate(samples):
+            sl = slice(s.prompt_length - 1, len(s.tokens) - 1)
+            adv[b, sl] = advantages[b]
+            old_t[b, sl] = old[b]
+            if s.rollout_log_probs is not None:
+                rollout_t[b, sl] = torch.tensor(s.rollout_log_probs)
+            if ref is not None:
+                ref_t[b, sl] = ref[b]
+        parts: dict[str, float] = {}
+        weights = None
+        has_rollout = all(s.rollout_log_probs is not None for s in samples)
+        if has_rollout:
+            parts.update(mismatch_metrics(old_t, rollout_t, mask))
+        if a.use_tis and has_rollout:
+            w = importance_weights(
+                old_t, rollout_t, mask, a.tis_level, a.tis_mode, a.tis_clip, a.tis_clip_low, a.tis_threshold
+            )
+            weights = w.weights
+            parts.update(tis_mean=float(w.mean), tis_clipfrac=float(w.clipfrac))
+        pl = policy_loss(
+            logp, old_t, adv, mask, a.eps_clip, a.eps_clip_high, a.eps_clip_c,
+            ratio_type="sequence" if a.advantage_estimator == "gspo" else "token",
+            agg=a.loss_agg_mode, norm_length=cfg.rollout.rollout_max_response_len, token_weights=weights,
+        )  # fmt: skip
+        loss = pl.loss
+        parts.update(
+            pg_loss=float(pl.loss.detach()), pg_clipfrac=float(pl.clipfrac), ppo_kl=float(pl.approx_kl)
+        )
+        if a.entropy_coef > 0:
+            ent = aggregate(entropy_of(logits), mask, a.loss_agg_mode)
+            loss = loss - a.entropy_coef * ent
+            parts["entropy"] = float(ent.detach())
+        else:
+            with torch.no_grad():
+                parts["entropy"] = float(masked_mean(entropy_of(logits.detach()), mask))
+        if ref is not None and a.use_kl_loss and a.kl_loss_coef > 0:
+            kl = aggregate(kl_estimate(logp, ref_t, a.kl_loss_type), mask, a.loss_agg_mode)
+            loss = loss + a.kl_loss_coef * kl
+            parts["kl_loss"] = float(kl.detach())
+        if cfg.train.aux_loss_coef > 0 and out.router_logits:
+            aux = load_balancing_loss(out.router_logits, out.routed_experts, batch.attention_mask)
+            loss = loss + cfg.train.aux_loss_coef * aux
+            parts["aux_loss"] = float(aux.detach())
+        if out.routed_experts is not None:
+            load = torch.bincount(
+                out.routed_experts[batch.attention_mask.bool()].reshape(-1),
+                minlength=self.model.config.num_experts,
+            ).float()
+            parts["expert_load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
+        parts["loss"] = float(loss.detach())
+        return loss, parts

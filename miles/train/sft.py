@@ -1,0 +1,135 @@
+"""Supervised fine-tuning on (prompt, answer) pairs: the base model of the default job, and
+(later) draft models. Cross-entropy on the response tokens only; the answer ends with EOS."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from miles.data.prompts import PromptItem, file_prompts, task_prompts
+from miles.data.sample import Sample
+from miles.errors import ConfigError
+from miles.models import registry
+from miles.models.checkpoint import save_model
+from miles.rollout.engine import Engine, Request
+from miles.rollout.rollout import encode_prompt
+from miles.rollout.sampling import SamplingParams
+from miles.train.logprobs import forward_logprobs, pack
+
+
+@dataclass
+class SFTConfig:
+    model: str = "tiny-random"
+    task: str | None = None
+    task_config: dict | None = None
+    data: str | None = None
+    input_key: str = "input"
+    label_key: str = "label"
+    chat: bool = True
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+    eval_every: int = 100
+    eval_size: int = 200
+    target_accuracy: float | None = None  # stop once held-out accuracy reaches this
+    save: str | None = None
+    log: str | None = None  # JSONL of (step, loss, eval accuracy)
+
+
+def sft_samples(items: list[PromptItem], tokenizer, chat: bool) -> list[Sample]:
+    eos = tokenizer.eos_token_id
+    out = []
+    for item in items:
+        prompt = encode_prompt(tokenizer, item.prompt, chat)
+        answer = tokenizer(str(item.label), add_special_tokens=False).input_ids + (
+            [eos] if eos is not None else []
+        )
+        out.append(
+            Sample(
+                prompt=item.prompt,
+                tokens=prompt + answer,
+                response_length=len(answer),
+                label=item.label,
+                metadata=dict(item.metadata),
+            )
+        )
+    return out
+
+
+def greedy_accuracy(model, tokenizer, items: list[PromptItem], chat: bool, scorer) -> float:
+    engine = Engine(copy.deepcopy(model), tokenizer, max_batch_size=128, max_seq_len=256)
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    samples = engine.generate(
+        [
+            Request(
+                encode_prompt(tokenizer, i.prompt, chat),
+                params,
+                sample=Sample(label=i.label, metadata=dict(i.metadata)),
+            )
+            for i in items
+        ]
+    )
+    return sum(scorer(s) >= 1.0 for s in samples) / len(samples)
+
+
+def run_sft(cfg: SFTConfig) -> dict:
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = registry.load(cfg.model, seed=cfg.seed)
+    if cfg.task:
+        items, dataset = task_prompts(cfg.task, 100_000, cfg.seed, cfg.task_config or {})
+        held, _ = task_prompts(cfg.task, cfg.eval_size, cfg.seed + 10_007, cfg.task_config or {})
+
+        def scorer(s: Sample) -> float:
+            return float(dataset.score_answer(s.response.strip(), s.metadata["rg_entry"]))
+    elif cfg.data:
+        items = file_prompts(cfg.data, cfg.input_key, cfg.label_key, None, "--data")
+        random.Random(cfg.seed).shuffle(items)
+        held, items = items[: cfg.eval_size], items[cfg.eval_size :]
+
+        def scorer(s: Sample) -> float:
+            return float(s.response.strip() == str(s.label).strip())
+    else:
+        raise ConfigError("miles sft needs --task or --data")
+    if not items:
+        raise ConfigError("miles sft: no training records")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = random.Random(cfg.seed)
+    history = []
+    log_file = Path(cfg.log).open("w") if cfg.log else None
+    bar = tqdm(range(1, cfg.steps + 1), desc="miles sft", unit="step")
+    t0 = time.perf_counter()
+    acc = float("nan")
+    for step in bar:
+        batch = pack(sft_samples(rng.sample(items, min(cfg.batch_size, len(items))), tokenizer, cfg.chat))
+        logp, _, _ = forward_logprobs(model, batch)
+        loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        record = {"step": step, "loss": float(loss), "time": time.perf_counter() - t0}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            model.eval()
+            acc = greedy_accuracy(model, tokenizer, held, cfg.chat, scorer)
+            model.train()
+            record["eval_accuracy"] = acc
+        history.append(record)
+        if log_file:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+        bar.set_postfix(loss=f"{float(loss):.3f}", eval_acc=f"{acc:.2f}")
+        if cfg.target_accuracy is not None and record.get("eval_accuracy", -1) >= cfg.target_accuracy:
+            break
+    bar.close()
+    if cfg.save:
+        save_model(model.eval(), cfg.save, tokenizer=tokenizer)
+    return {"steps": len(history), "loss": history[-1]["loss"], "eval_accuracy": acc}

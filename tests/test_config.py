@@ -1,0 +1,125 @@
+"""Configuration: flags, aliases, YAML, and one clear error per broken setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.cli import main
+from miles.config import build_parser, load_config
+from miles.config.loader import FIELDS
+from miles.errors import ConfigError
+
+
+def test_defaults_aliases_and_yaml_override(tmp_path):
+    cfg = load_config([])
+    assert cfg.train.lr == 1e-6 and cfg.rollout.rollout_temperature == 1.0 and cfg.algo.eps_clip == 0.2
+    assert cfg.train.global_batch_size == 32 * 8  # derived: rollout_batch_size x n_samples / steps
+    cfg = load_config(
+        [
+            "--use-rollout-routing-replay",
+            "--update-weight-buffer-size",
+            "1024",
+            "--lr-warmup-iters",
+            "7",
+            "--moe-aux-loss-coeff",
+            "0.01",
+        ]
+    )
+    assert (
+        cfg.algo.use_r3
+        and cfg.sync.sync_bucket_size == 1024
+        and cfg.train.warmup_steps == 7
+        and cfg.train.aux_loss_coef == 0.01
+    )
+    y = tmp_path / "run.yaml"
+    y.write_text("train:\n  lr: 3.0e-5\nrollout_batch_size: 4\nn_samples_per_prompt: 2\nuse_tis: true\n")
+    cfg = load_config(["--config", str(y), "--lr", "1e-4"])
+    assert cfg.train.lr == 1e-4  # the flag beats the file
+    assert cfg.rollout.rollout_batch_size == 4 and cfg.algo.use_tis and cfg.train.global_batch_size == 8
+
+
+def test_tis_threshold_turns_tis_on():
+    cfg = load_config(["--tis-threshold", "0.9"])
+    assert cfg.algo.use_tis and cfg.algo.tis_threshold == 0.9
+
+
+def test_every_guide_flag_is_listed_in_help():
+    text = build_parser().format_help()
+    guide = [
+        "--fp8-recipe", "--use-r3", "--lr", "--warmup-steps", "--warmup-precision", "--fp8-format",
+        "--fp8-dynamic-scaling", "--fp8-skip-layers", "--use-tis", "--tis-threshold", "--verify-logprobs",
+        "--r3-buffer-size", "--deterministic-expert-routing", "--int4-group-size", "--int4-skip-layers",
+        "--spec-lookahead", "--online-sft-interval", "--draft-lr", "--draft-ema-decay", "--reinit-draft-interval",
+        "--profile-speculative", "--use-zero-copy-sync", "--sync-bucket-size", "--colocate", "--async-weight-sync",
+        "--aux-loss-coef", "--moe-capacity-factor", "--expert-model-parallel-size", "--micro-batch-size",
+        "--offload-experts", "--co-evolution-interval", "--log-level", "--profile", "--profile-dir",
+    ]  # fmt: skip
+    missing = [f for f in guide if f not in text]
+    assert not missing
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--lrr", "1e-5"], "unknown flag --lrr; did you mean --lr?"),
+        (
+            ["--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--global-batch-size", "5"],
+            "--global-batch-size 5",
+        ),
+        (["--micro-batch-size", "7"], "--micro-batch-size 7 must divide --global-batch-size 256"),
+        (["--num-steps-per-rollout", "3"], "do not split into --num-steps-per-rollout 3"),
+        (["--lr", "abc"], "--lr expects float, got 'abc'"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--tis-threshold", "1.5"], "--tis-threshold must be in (0, 1]"),
+        (["--fp8-format", "e4m3"], "--fp8-format is not available yet"),
+        (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
+        (["--use-zero-copy-sync"], "--use-zero-copy-sync is not available yet"),
+        (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
+        (["--task", "basic_arithmetic", "--prompt-data", "x.jsonl"], "--task or --prompt-data, not both"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_settings_fail_before_any_work(argv, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert fragment in str(e.value)
+
+
+def test_bad_yaml(tmp_path):
+    y = tmp_path / "bad.yaml"
+    y.write_text("train:\n  lrate: 1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown key train\.lrate; did you mean --lr"):
+        load_config(["--config", str(y)])
+    y.write_text("rollout_batch_size: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(["--config", str(y)])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_co_evolution_section_is_recognised_and_not_available_yet(tmp_path):
+    y = tmp_path / "ma.yaml"
+    y.write_text("co_evolution:\n  strategy: alternating\n  population_size: 4\n")
+    with pytest.raises(ConfigError, match="--strategy is not available yet.*co-evolution"):
+        load_config(["--config", str(y)])
+
+
+def test_env_var_of_unbuilt_feature_is_an_error(monkeypatch):
+    monkeypatch.setenv("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "1")
+    with pytest.raises(ConfigError, match="OPEN_TRAINING_INT4_FAKE_QAT_FLAG.*not built yet"):
+        load_config([])
+
+
+def test_miles_debug_sets_debug_logging(monkeypatch):
+    monkeypatch.setenv("MILES_DEBUG", "1")
+    assert load_config([]).logging.log_level == "DEBUG"
+
+
+def test_cli_reports_config_errors_in_one_line(capsys):
+    assert main(["train", "--lrr", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "miles train: error: unknown flag --lrr; did you mean --lr?"
+
+
+def test_every_field_has_help():
+    assert all(info.meta["help"] for info in FIELDS.values())
