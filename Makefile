@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/miles generate --model smollm2 --chat --prompt "What is the capital of France?" --max-new-tokens 24
+	$(VENV)/bin/miles train
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_DIRS)

@@ -51,7 +51,7 @@ class DataSection:
     eval_prompt_data: str | None = option(
         None, "JSONL or Parquet file of held-out prompts (default: held-out task problems)"
     )
-    eval_size: int = option(200, "held-out problems to evaluate on")
+    eval_size: int = option(200, "held-out task problems to evaluate on (0: no evaluation)")
     eval_interval: int = option(10, "evaluate every N rollouts (0: only at the start and the end)")
 
 

@@ -32,8 +32,10 @@ def build_data(cfg: RunConfig) -> RunData:
             eval_items = file_prompts(
                 d.eval_prompt_data, d.input_key, d.label_key, d.metadata_key, "--eval-prompt-data"
             )
-        else:  # held out: another seed's problems; training never sees them
+        elif d.eval_size > 0:  # held out: another seed's problems; training never sees them
             eval_items, _ = task_prompts(d.task, d.eval_size, cfg.train.seed + 10_007, d.task_config)
+        else:
+            eval_items = []
         held_out = {str(i.prompt) for i in eval_items}
         items = [i for i in items if str(i.prompt) not in held_out]
     elif d.prompt_data:
