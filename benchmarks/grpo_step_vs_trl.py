@@ -36,7 +36,9 @@ def time_trl(steps: int) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     rg = reasoning_gym.create_dataset("basic_arithmetic", size=PROMPTS * (steps + 1), seed=0, **TASK_CONFIG)
-    data = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": e["question"]}], "answer": e["answer"]} for e in rg])
+    data = datasets.Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": e["question"]}], "answer": e["answer"]} for e in rg]
+    )
 
     def reward(prompts, completions, answer, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -59,7 +61,14 @@ def time_trl(steps: int) -> list[float]:
     )  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(BASE)
     model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     trainer.train()
     return times[1:]
 
@@ -81,14 +90,20 @@ def time_miles(steps: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=6, help="RL steps per side (the first is warm-up)")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; {PROMPTS} prompts x {GROUP} samples, {NEW_TOKENS} new tokens")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}; {PROMPTS} prompts x {GROUP} samples, {NEW_TOKENS} new tokens"
+    )
     ours = statistics.median(time_miles(args.steps))
     theirs = statistics.median(time_trl(args.steps))
-    print(f"GRPO step (median of {args.steps - 1}): miles {ours:.2f} s | TRL GRPOTrainer {theirs:.2f} s | miles is {theirs / ours:.1f}x faster")
+    print(
+        f"GRPO step (median of {args.steps - 1}): miles {ours:.2f} s | TRL GRPOTrainer {theirs:.2f} s | miles is {theirs / ours:.1f}x faster"
+    )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,19 @@ def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
     import miles.runtime.loop as loop
 
     def run(out: Path) -> list[float]:
-        args = ["--config", str(DEFAULT_YAML), "--num-rollout", "40", "--eval-interval", "0", "--eval-size", "200", "--output-dir", str(out), "--no-progress"]
+        args = [
+            "--config",
+            str(DEFAULT_YAML),
+            "--num-rollout",
+            "40",
+            "--eval-interval",
+            "0",
+            "--eval-size",
+            "200",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ]
         train(load_config(args))
         return [r["eval_accuracy"] for r in read_metrics(out) if "eval_accuracy" in r]
 
