@@ -298,3 +298,28 @@ def test_bad_weight_update_changes_nothing():
         engine.update_weights([("model.nope.weight", torch.zeros(1))])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert engine.weight_version == 0
+
+
+def test_group_prefill_is_shared_and_changes_nothing():
+    """n copies of a prompt (a GRPO group) are prefilled once; each sample still equals its own
+    run alone and the trainer's recomputation."""
+    model = peaked("qwen3_moe", seed=8)
+    ps = prompts(3, seed=2)
+    reqs = [
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=8, seed=100 * i + k, ignore_eos=True))
+        for i, p in enumerate(ps)
+        for k in range(4)
+    ]
+    engine = Engine(model, max_batch_size=16, max_seq_len=64)
+    calls = []
+    original = model.forward
+    model.forward = lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw)
+    samples = engine.generate(reqs)
+    model.forward = original
+    assert calls[0][0] == 3  # one prefill row per distinct prompt, not 12
+    for r, s in zip(reqs, samples):
+        alone = Engine(model, max_batch_size=1, max_seq_len=64).generate([Request(r.prompt_ids, r.params)])[0]
+        assert alone.tokens == s.tokens
+        assert (alone.rollout_routed_experts == s.rollout_routed_experts).all()
+    recomputed = response_logprobs(model, samples, temperature=1.0, replay_routing=True)
+    assert max(abs(a - b) for s, r in zip(samples, recomputed) for a, b in zip(s.rollout_log_probs, r)) < 1e-5

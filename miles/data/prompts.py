@@ -110,12 +110,16 @@ class PromptStream:
             raise ConfigError("the prompt dataset is empty")
         self.items, self.seed, self.shuffle = items, seed, shuffle
         self.position = 0
+        self._epoch, self._cached_order = -1, []
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(order)
-        return order
+        """The permutation of one epoch (computed once per epoch, not per item)."""
+        if epoch != self._epoch:
+            order = list(range(len(self.items)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._epoch, self._cached_order = epoch, order
+        return self._cached_order
 
     def take(self, n: int) -> list[PromptItem]:
         out = []

@@ -200,24 +200,45 @@ class Engine:
         return self._emit(new, logits)
 
     def _refill(self, states: list[_Running]) -> torch.Tensor:
-        """Prefill each state's tokens except the newest into its slot; logits of its last fed token."""
+        """Prefill each state's tokens except the newest into its slot; logits of its last fed token.
+
+        Identical sequences (the n samples of one GRPO prompt) are computed once and their keys
+        and values copied into the other slots.
+        """
         seqs = [
-            s.request.prompt_ids + s.response[:-1] if s.response else s.request.prompt_ids for s in states
+            tuple(s.request.prompt_ids + s.response[:-1]) if s.response else tuple(s.request.prompt_ids)
+            for s in states
         ]
-        T = max(len(x) for x in seqs)
-        ids = torch.zeros(len(states), T, dtype=torch.long)
-        for b, x in enumerate(seqs):
-            ids[b, : len(x)] = torch.tensor(x)
-        positions = torch.arange(T).expand(len(states), T)
-        rows = torch.tensor([s.slot for s in states])
-        last = torch.tensor([len(x) - 1 for x in seqs])
+        unique: dict[tuple[int, ...], int] = {}
+        for seq in seqs:
+            unique.setdefault(seq, len(unique))
+        firsts = {}
+        for b, seq in enumerate(seqs):
+            firsts.setdefault(seq, b)
+        owners = [states[firsts[seq]] for seq in unique]  # the state whose slot computes each sequence
+        T = max(len(x) for x in unique)
+        ids = torch.zeros(len(unique), T, dtype=torch.long)
+        for u, x in enumerate(unique):
+            ids[u, : len(x)] = torch.tensor(x)
+        positions = torch.arange(T).expand(len(unique), T)
+        rows = torch.tensor([s.slot for s in owners])
+        last = torch.tensor([len(x) - 1 for x in unique])
         with torch.no_grad():
             out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows, logits_at=last)
+        index = torch.tensor([unique[seq] for seq in seqs])
+        copies = [
+            (states[b].slot, owners[index[b]].slot, len(seqs[b]))
+            for b in range(len(states))
+            if states[b] is not owners[index[b]]
+        ]
+        for dst, src, n in copies:
+            for buf in self.cache.keys + self.cache.values:
+                buf[dst, :, :n] = buf[src, :, :n]
         if self.is_moe:
             routed = out.routed_experts.to(torch.int32).numpy()
             for b, s in enumerate(states):
-                s.routed = [routed[b, : len(seqs[b])]]
-        return out.logits[:, 0]
+                s.routed = [routed[index[b], : len(seqs[b])]]
+        return out.logits[index, 0]
 
     def _decode(self) -> list[Sample]:
         """One token for every running request, over the slot range [0, highest busy slot].

@@ -102,7 +102,9 @@ class Actor:
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         """One rollout of training; `advantages[i]` is per response token of sample i."""
         cfg = self.cfg
-        old = self.logprobs(samples)
+        # With one optimizer step per rollout every micro-batch runs before the update, so the
+        # "old" log-probs are the forward's own (detached): no extra forward pass.
+        old = self.logprobs(samples) if cfg.train.num_steps_per_rollout > 1 else [None] * len(samples)
         ref = self.logprobs(samples, self.ref_model) if self.ref_model is not None else None
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
@@ -154,7 +156,7 @@ class Actor:
         for b, s in enumerate(samples):
             sl = slice(s.prompt_length - 1, len(s.tokens) - 1)
             adv[b, sl] = advantages[b]
-            old_t[b, sl] = old[b]
+            old_t[b, sl] = old[b] if old[b] is not None else logp[b, sl].detach()
             if s.rollout_log_probs is not None:
                 rollout_t[b, sl] = torch.tensor(s.rollout_log_probs)
             if ref is not None:
