@@ -133,8 +133,11 @@ def train(cfg: RunConfig) -> Path:
         start = state["rollout_id"] + 1
         metrics.truncate_after(state["rollout_id"])
         log.info("resumed from %s at rollout %d", ckpt, start)
-    elif start == 0 and data.eval_items:
-        metrics.log(-1, evaluate(engine, data.eval_items, cfg, rewards))
+    last_eval = float("nan")
+    if start == 0 and data.eval_items:
+        initial = evaluate(engine, data.eval_items, cfg, rewards)
+        metrics.log(-1, initial)
+        last_eval = initial["eval_accuracy"]
     bar = tqdm(
         range(start, cfg.rollout.num_rollout),
         desc="miles train",
@@ -177,10 +180,11 @@ def train(cfg: RunConfig) -> Path:
         ):
             step.update(evaluate(engine, data.eval_items, cfg, rewards))
         metrics.log(rollout_id, step)
+        last_eval = step.get("eval_accuracy", last_eval)
         bar.set_postfix(
             reward=f"{step['reward_mean']:.2f}",
             acc=f"{step['accuracy']:.2f}",
-            eval=f"{step.get('eval_accuracy', float('nan')):.2f}",
+            eval=f"{last_eval:.2f}",
             s=f"{step['step_time']:.1f}",
         )
         if cfg.checkpoint.save and (
