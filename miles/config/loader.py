@@ -115,6 +115,7 @@ def _suggest(name: str, section: str | None = None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles train",
+        usage="miles train [--config FILE] [--FLAG VALUE ...]",
         description=(
             "Run RL post-training (GRPO by default). With no arguments: the embedded default job, a tiny MoE "
             "model learning arithmetic on CPU. Flags override --config YAML; names follow the miles guide, "
