@@ -196,7 +196,7 @@ class ModelConfig:
 
 
 def tiny_moe_config(vocab_size: int = 260) -> ModelConfig:
-    """The built-in default: a ~3.5M-parameter Qwen3-MoE that trains on 2 CPU cores."""
+    """The built-in default: a 1.8M-parameter Qwen3-MoE (8 experts, top-2) that trains on 2 CPU cores."""
     return ModelConfig(
         model_type="qwen3_moe",
         vocab_size=vocab_size,
