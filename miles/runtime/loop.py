@@ -28,6 +28,8 @@ from miles.rollout.rollout import generate_groups, rollout
 from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
 from miles.runtime.metrics import MetricsLogger
 from miles.runtime.setup import build_data, run_dir_for
+from miles.sync.buckets import crc32
+from miles.sync.transports import send_bucketed
 from miles.train.actor import Actor
 
 log = logging.getLogger("miles")
@@ -75,28 +77,18 @@ def evaluate(engine: Engine, items, cfg: RunConfig, rewards: RewardRunner) -> di
 
 
 def push_weights(policy, engine: Engine, version: int, bucket_bytes: int, check_equal: bool) -> int:
-    """Send the policy's HF-named tensors to the engine in buckets of at most `bucket_bytes`;
-    returns the number of buckets. With `check_equal`, compare checksums afterwards."""
+    """Send the policy's HF-named tensors to the engine in CRC-checked buckets of at most
+    `bucket_bytes`; returns the number of buckets. With `check_equal`, compare checksums after."""
     state = hf_state_dict(policy)
-    bucket, size, buckets = [], 0, 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            engine.update_weights(bucket, version=version)
-            bucket, size, buckets = [], 0, buckets + 1
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        engine.update_weights(bucket, version=version)
-        buckets += 1
+    stats = send_bucketed(state.items(), engine, version, bucket_bytes)
     if check_equal:
         engine_state = engine.model.state_dict()
-        differ = [n for n, t in state.items() if not torch.equal(engine_state[n], t)]
+        differ = [n for n, t in state.items() if crc32(engine_state[n]) != crc32(t)]
         if differ:
             raise MilesError(
                 f"--check-weight-update-equal: engine weights differ from the trainer's after sync: {differ[:5]}"
             )
-    return buckets
+    return stats.buckets
 
 
 def train(cfg: RunConfig) -> Path:

@@ -1,0 +1,158 @@
+"""Ways to move HF-named tensors from the trainer to an engine.
+
+- `bucketed`: pack into `bucket_bytes` buffers, unpack (views) on the other side, verify CRCs.
+- `one_at_a_time`: each tensor copied and applied alone (the slow baseline OpenRLHF-style
+  systems use; kept for the benchmark).
+- `shared_memory` (zero-copy, the CPU analogue of CUDA IPC): the trainer's tensors live in shared
+  memory; the engine gets handles of a few hundred bytes and maps the same memory.
+- `broadcast`: buckets over a `torch.distributed` group (gloo on CPU, NCCL on GPU).
+
+Each `send` returns `SyncStats`; the receiving end is anything with `update_weights(items,
+version)` (the rollout engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp  # registers the tensor-sharing reductions with ForkingPickler
+
+from miles.sync.buckets import BucketMeta, SyncIntegrityError, pack, plan_buckets, unpack
+
+log = logging.getLogger("miles.sync")
+
+
+@dataclass
+class SyncStats:
+    tensors: int = 0
+    buckets: int = 0
+    payload_bytes: int = 0  # bytes of weights made available to the engine
+    moved_bytes: int = 0  # bytes actually serialised or copied through the transport
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.payload_bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def send_bucketed(
+    named: Iterable[tuple[str, torch.Tensor]],
+    receiver,
+    version: int | None,
+    bucket_bytes: int,
+    verify: bool = True,
+) -> SyncStats:
+    stats, t0 = SyncStats(), time.perf_counter()
+    for items in plan_buckets(named, bucket_bytes):
+        flat, meta = pack(items, checksums=verify)
+        received = unpack(flat, meta, verify=verify)
+        receiver.update_weights(received, version=version)
+        stats.buckets += 1
+        stats.tensors += len(items)
+        stats.payload_bytes += meta.nbytes
+        stats.moved_bytes += meta.nbytes
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def send_one_at_a_time(named: Iterable[tuple[str, torch.Tensor]], receiver, version: int | None) -> SyncStats:
+    stats, t0 = SyncStats(), time.perf_counter()
+    for name, t in named:
+        copy = t.detach().clone()
+        receiver.update_weights([(name, copy)], version=version)
+        n = t.numel() * t.element_size()
+        stats.tensors += 1
+        stats.buckets += 1
+        stats.payload_bytes += n
+        stats.moved_bytes += n
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+# ---- zero-copy: shared memory handles ----
+
+
+def shared_memory_available() -> bool:
+    try:
+        torch.zeros(1).share_memory_()
+        return True
+    except (RuntimeError, OSError):
+        return False
+
+
+def share(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Move each tensor's storage into shared memory, in place (parameters stay the same objects)."""
+    tmp.set_sharing_strategy("file_system")  # handles are file names: any process on the host can open them
+    for _, t in named:
+        t.data.share_memory_()
+
+
+def handles(named: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """A small picklable description of shared tensors; its size does not grow with their bytes."""
+    return bytes(ForkingPickler.dumps([(name, t.detach()) for name, t in named]))
+
+
+def open_handles(blob: bytes) -> list[tuple[str, torch.Tensor]]:
+    """Map the trainer's shared tensors in this process (no copy)."""
+    return pickle.loads(blob)
+
+
+def send_shared(named: list[tuple[str, torch.Tensor]], receiver, version: int | None) -> SyncStats:
+    """Pass handles; the receiver maps the memory and copies it into its own weights."""
+    t0 = time.perf_counter()
+    blob = handles(named)
+    receiver.update_weights(open_handles(blob), version=version)
+    payload = sum(t.numel() * t.element_size() for _, t in named)
+    return SyncStats(len(named), 1, payload, len(blob), time.perf_counter() - t0)
+
+
+# ---- torch.distributed broadcast ----
+
+
+def broadcast_buckets(
+    named: list[tuple[str, torch.Tensor]] | None, src: int, bucket_bytes: int, group=None
+) -> list[tuple[str, torch.Tensor]]:
+    """Collective: rank `src` sends `named` in buckets; every rank returns the received tensors.
+    Non-source ranks pass named=None. Receivers check every tensor's CRC; if any arrived corrupted,
+    every rank (the sender too) raises `SyncIntegrityError` naming the tensors and the ranks."""
+    rank = dist.get_rank(group)
+    plan = plan_buckets(named, bucket_bytes) if rank == src else None
+    count = [len(plan) if plan is not None else 0]
+    dist.broadcast_object_list(count, src=src, group=group)
+    out: list[tuple[str, torch.Tensor]] = []
+    bad: list[str] = []
+    for i in range(count[0]):
+        if rank == src:
+            flat, meta = pack(plan[i])
+            box: list[BucketMeta | None] = [meta]
+        else:
+            box = [None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        meta = box[0]
+        if rank != src:
+            flat = torch.empty(meta.nbytes, dtype=torch.uint8)
+        dist.broadcast(flat, src=src, group=group)
+        try:
+            out.extend(unpack(flat, meta, verify=rank != src))
+        except SyncIntegrityError:  # keep receiving: the collective must stay in step
+            bad.extend(
+                m.name
+                for m in meta.tensors
+                if zlib.crc32(flat[m.offset : m.offset + m.nbytes].numpy()) != m.crc32
+            )
+    reports: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, bad, group=group)
+    hit = {r: names for r, names in enumerate(reports) if names}
+    if hit:
+        raise SyncIntegrityError(
+            f"weight broadcast: tensors arrived corrupted on rank(s) {sorted(hit)}: {sorted({n for v in hit.values() for n in v})[:5]}"
+        )
+    return out
