@@ -29,7 +29,7 @@ from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkp
 from miles.runtime.metrics import MetricsLogger
 from miles.runtime.setup import build_data, run_dir_for
 from miles.sync.buckets import crc32
-from miles.sync.transports import send_bucketed
+from miles.sync.transports import BucketBuffer, send_bucketed
 from miles.train.actor import Actor
 
 log = logging.getLogger("miles")
@@ -76,11 +76,18 @@ def evaluate(engine: Engine, items, cfg: RunConfig, rewards: RewardRunner) -> di
     }
 
 
-def push_weights(policy, engine: Engine, version: int, bucket_bytes: int, check_equal: bool) -> int:
+def push_weights(
+    policy,
+    engine: Engine,
+    version: int,
+    bucket_bytes: int,
+    check_equal: bool,
+    staging: BucketBuffer | None = None,
+) -> int:
     """Send the policy's HF-named tensors to the engine in CRC-checked buckets of at most
     `bucket_bytes`; returns the number of buckets. With `check_equal`, compare checksums after."""
     state = hf_state_dict(policy)
-    stats = send_bucketed(state.items(), engine, version, bucket_bytes)
+    stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
     if check_equal:
         engine_state = engine.model.state_dict()
         differ = [n for n, t in state.items() if crc32(engine_state[n]) != crc32(t)]
@@ -113,6 +120,7 @@ def train(cfg: RunConfig) -> Path:
     metrics = MetricsLogger(
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
     )
+    staging = BucketBuffer()  # one weight-sync staging buffer for the whole run
     start = 0
     for d in (cfg.checkpoint.save, cfg.checkpoint.load):
         if d:
@@ -161,6 +169,7 @@ def train(cfg: RunConfig) -> Path:
                     rollout_id + 1,
                     cfg.sync.sync_bucket_size,
                     cfg.sync.check_weight_update_equal,
+                    staging,
                 )
         t2 = time.perf_counter()
         step.update(

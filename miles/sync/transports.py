@@ -43,16 +43,31 @@ class SyncStats:
         return self.payload_bytes / max(self.seconds, 1e-9) / 1e9
 
 
+class BucketBuffer:
+    """One staging buffer reused by every bucket of every sync (allocated on first use)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer
+
+
 def send_bucketed(
     named: Iterable[tuple[str, torch.Tensor]],
     receiver,
     version: int | None,
     bucket_bytes: int,
     verify: bool = True,
+    staging: BucketBuffer | None = None,
 ) -> SyncStats:
+    """Pack each bucket (into `staging` when given), hand it over, unpack views, check CRCs."""
     stats, t0 = SyncStats(), time.perf_counter()
     for items in plan_buckets(named, bucket_bytes):
-        flat, meta = pack(items, checksums=verify)
+        size = sum(t.numel() * t.element_size() + 64 for _, t in items)
+        flat, meta = pack(items, checksums=verify, out=staging.get(size) if staging is not None else None)
         received = unpack(flat, meta, verify=verify)
         receiver.update_weights(received, version=version)
         stats.buckets += 1

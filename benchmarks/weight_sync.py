@@ -1,0 +1,113 @@
+"""Weight-sync throughput: each transport next to the memcpy bound, measured in one run.
+
+    .venv/bin/python benchmarks/weight_sync.py                 # 10 MB .. 2 GB
+    .venv/bin/python benchmarks/weight_sync.py --sizes-mb 10 100 --no-ray
+
+A "model" is 64 fp32 tensors in Hugging Face naming; the receiver copies every tensor into its
+own preallocated weights (what the engine's update_weights does). Transports:
+- memcpy: one copy of the whole model (the bound);
+- one-at-a-time: a copy per tensor handed over alone (in process), and over Ray's object store
+  one ray.put/ray.get per tensor (the OpenRLHF-style baseline);
+- bucketed: 512 MiB buckets, CRC-checked (and without the CRC), in process and over Ray;
+- zero-copy: shared-memory handles (a few hundred bytes per tensor), the receiver maps the memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from miles.sync.buckets import pack, plan_buckets, unpack
+from miles.sync.transports import BucketBuffer, send_bucketed, send_one_at_a_time, send_shared, share
+
+BUCKET = 512 * 1024**2
+
+
+class Sink:
+    """The receiving end: copies each tensor into its own weights."""
+
+    def __init__(self, named):
+        self.weights = {n: torch.empty_like(t) for n, t in named}
+
+    def update_weights(self, items, version=None):
+        for name, t in items:
+            self.weights[name].copy_(t)
+
+
+def model_of(total_mb: int) -> list[tuple[str, torch.Tensor]]:
+    per = total_mb * 1024**2 // 4 // 64
+    return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(per)) for i in range(64)]
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def ray_transports(named, repeats):
+    import ray
+
+    def one_at_a_time():
+        sink = {}
+        for name, t in named:
+            sink[name] = ray.get(ray.put(t))
+
+    def bucketed():
+        for items in plan_buckets(named, BUCKET):
+            flat, meta = pack(items, checksums=False)
+            unpack(ray.get(ray.put(flat)), meta, verify=False)
+
+    return {"ray one-at-a-time": best(one_at_a_time, repeats), "ray bucketed": best(bucketed, repeats)}
+
+
+def measure(mb: int, repeats: int, ray_too: bool) -> None:
+    named = model_of(mb)
+    nbytes = sum(t.numel() * 4 for _, t in named)
+    sink, staging = Sink(named), BucketBuffer()
+    src_flat, dst_flat = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    results = {
+        "memcpy": best(lambda: dst_flat.copy_(src_flat), repeats),
+        "one-at-a-time": best(lambda: send_one_at_a_time(named, sink, None), repeats),
+        "bucketed+crc": best(lambda: send_bucketed(named, sink, None, BUCKET, True, staging), repeats),
+        "bucketed": best(lambda: send_bucketed(named, sink, None, BUCKET, False, staging), repeats),
+    }
+    share(named)
+    results["zero-copy shm"] = best(lambda: send_shared(named, sink, None), repeats)
+    if ray_too:
+        results.update(ray_transports(named, repeats))
+    line = "  ".join(f"{k} {nbytes / v / 1e9:6.2f}" for k, v in results.items())
+    base = results.get("ray one-at-a-time", results["one-at-a-time"])
+    print(
+        f"{mb:>5} MB  {line}  | bucketed/baseline {base / results['bucketed']:.1f}x, "
+        f"zero-copy/baseline {base / results['zero-copy shm']:.1f}x, memcpy/bucketed {results['bucketed'] / results['memcpy']:.1f}x",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray object-store transports")
+    args = parser.parse_args()
+    if not args.no_ray:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=3 * 1024**3)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}; GB/s = model bytes / seconds (best of {args.repeats})"
+    )
+    for mb in args.sizes_mb:
+        measure(mb, args.repeats, ray_too=not args.no_ray)
+
+
+if __name__ == "__main__":
+    main()
