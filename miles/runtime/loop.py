@@ -101,6 +101,10 @@ def push_weights(
 def train(cfg: RunConfig) -> Path:
     torch.manual_seed(cfg.train.seed)
     policy, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)
+    if tokenizer is None:
+        raise MilesError(
+            f"--model {cfg.model.model}: the checkpoint has no tokenizer (tokenizer.json); training needs one"
+        )
     data = build_data(cfg)
     rewards = RewardRunner(
         cfg.reward.rm_type,

@@ -1,0 +1,134 @@
+"""Rollout on Ray: N engine actors behind one manager, with weight sync and fault recovery.
+
+Requests are split across the actors; each actor runs its own continuous-batching `Engine`.
+New weights travel as CRC-checked buckets put once into Ray's object store and fetched by every
+actor. An actor that dies mid-rollout is restarted by Ray (it reloads the base checkpoint), gets
+the latest weights again, and redoes its unfinished requests: the step's samples stay complete.
+Per-request seeds make the redone samples the same as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from miles.data.sample import Sample
+from miles.rollout.engine import Request
+from miles.sync.buckets import BucketMeta, pack, plan_buckets, unpack
+
+log = logging.getLogger("miles.ray")
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)
+class EngineActor:
+    """One rollout engine in its own process."""
+
+    def __init__(
+        self, model: str, max_batch_size: int, max_seq_len: int, seed: int, threads: int = 1
+    ) -> None:
+        from miles.models import registry
+        from miles.rollout.engine import Engine
+
+        torch.set_num_threads(threads)
+        policy, tokenizer = registry.load(model)
+        self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
+
+    def generate(self, requests: list[Request]) -> list[Sample]:
+        return self.engine.generate(requests)
+
+    def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
+        for meta, ref in buckets:
+            flat = ref if isinstance(ref, torch.Tensor) else ray.get(ref)
+            self.engine.update_weights(unpack(flat, meta), version=version)
+        return self.engine.weight_version
+
+    def state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.engine.weight_version, self.engine.model.state_dict()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RolloutManager:
+    """Spreads requests over `num_engines` actors; recovers from an actor's death."""
+
+    def __init__(
+        self,
+        model: str,
+        num_engines: int,
+        max_batch_size: int = 64,
+        max_seq_len: int = 512,
+        seed: int = 0,
+        max_retries: int = 3,
+    ) -> None:
+        self.actors = [
+            EngineActor.remote(model, max_batch_size, max_seq_len, seed) for _ in range(num_engines)
+        ]
+        self.max_retries = max_retries
+        self._buckets: list[tuple[BucketMeta, ray.ObjectRef]] = []
+        self.version = 0
+        self.restarts = 0
+
+    def update_weights(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = 512 * 1024**2
+    ) -> None:
+        """Put each bucket into the object store once; every actor fetches it."""
+        buckets = []
+        for items in plan_buckets(named, bucket_bytes):
+            flat, meta = pack(items)
+            buckets.append((meta, ray.put(flat)))
+        self._buckets, self.version = buckets, version
+        ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
+
+    def _recover(self, index: int) -> None:
+        """Wait for Ray to restart actor `index`, then give it the current weights."""
+        self.restarts += 1
+        deadline = time.time() + 120
+        while True:
+            try:
+                if self._buckets:
+                    ray.get(self.actors[index].update_weights.remote(self._buckets, self.version))
+                else:
+                    ray.get(self.actors[index].pid.remote())
+                return
+            except RayActorError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def generate(self, requests: Sequence[Request]) -> list[Sample]:
+        """All samples, in request order, whatever happens to the actors on the way."""
+        n = len(self.actors)
+        chunks = [list(range(i, len(requests), n)) for i in range(n)]
+        pending = {
+            i: self.actors[i].generate.remote([requests[j] for j in chunk])
+            for i, chunk in enumerate(chunks)
+            if chunk
+        }
+        out: list[Sample | None] = [None] * len(requests)
+        attempts = dict.fromkeys(pending, 0)
+        while pending:
+            i, ref = next(iter(pending.items()))
+            try:
+                samples = ray.get(ref)
+            except RayActorError:
+                attempts[i] += 1
+                if attempts[i] > self.max_retries:
+                    raise
+                log.warning(
+                    "rollout engine %d died; restarting it and redoing its %d requests", i, len(chunks[i])
+                )
+                self._recover(i)
+                pending[i] = self.actors[i].generate.remote([requests[j] for j in chunks[i]])
+                continue
+            for j, s in zip(chunks[i], samples):
+                out[j] = s
+            del pending[i]
+        return out  # type: ignore[return-value]
