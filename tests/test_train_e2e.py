@@ -100,3 +100,46 @@ def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
     assert broken_before == before
     assert after > before, (before, after)
     assert after > broken_after + 0.2, (after, broken_after)  # the broken loss collapses to ~0
+
+
+def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
+    from miles.cli import main
+
+    args = small_run_args(tmp_path / "tb", 2) + ["--use-tensorboard"]
+    train(load_config(args))
+    events = list((tmp_path / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    rewards = [e.value for e in acc.Scalars("reward_mean")]
+    assert rewards == pytest.approx(
+        [r["reward_mean"] for r in read_metrics(tmp_path / "tb") if "reward_mean" in r]
+    )
+
+    assert main(["plot", str(tmp_path / "tb")]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "tb" / "plots").glob("*.png"))
+    assert {"reward.png", "accuracy.png", "logprob_mismatch.png", "lengths.png"} <= set(pngs)
+    assert all((tmp_path / "tb" / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    capsys.readouterr()
+
+    assert (
+        main(
+            [
+                "train",
+                "--prompt-data",
+                str(tmp_path / "missing.jsonl"),
+                "--no-progress",
+                "--output-dir",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        capsys.readouterr().err.strip()
+        == f"miles train: error: --prompt-data {tmp_path / 'missing.jsonl'}: no such file"
+    )
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
