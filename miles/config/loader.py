@@ -271,15 +271,12 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         a.use_tis = True
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         raise ConfigError(f"--eps-clip-c must be > 1, got {a.eps_clip_c}")
+    if cfg.data.task and cfg.data.prompt_data:
+        raise ConfigError("give --task or --prompt-data, not both")
     for flag, value in (
         ("--prompt-data", cfg.data.prompt_data),
         ("--eval-prompt-data", cfg.data.eval_prompt_data),
     ):
-        if value and not Path(value).is_file():
-            raise ConfigError(f"{flag} {value}: no such file")
-    if cfg.data.task and cfg.data.prompt_data:
-        raise ConfigError("give --task or --prompt-data, not both")
-    for flag, value in (("--prompt-data", cfg.data.prompt_data), ("--eval-prompt-data", cfg.data.eval_prompt_data)):
         if value and not Path(value).is_file():
             raise ConfigError(f"{flag} {value}: no such file")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
