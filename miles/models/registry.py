@@ -41,6 +41,17 @@ def model_path(spec: str) -> Path | None:
     return path
 
 
+def tokenizer_for(spec: str):
+    """The tokenizer `load(spec)` would return, without loading the weights."""
+    path = model_path(spec)
+    if path is None:
+        return byte_tokenizer()
+    has_tokenizer = path.suffix == ".gguf" or any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+    )
+    return load_tokenizer(path) if has_tokenizer else None
+
+
 def load(
     spec: str, device: str | torch.device = "cpu", make_linear: LinearFactory = default_linear, seed: int = 0
 ) -> tuple[Transformer, object]:

@@ -51,8 +51,8 @@ def generate_groups(
             requests.append(Request(ids, params, sample=sample))
             group.append(sample)
         groups.append(group)
-    engine.generate(requests)
-    return groups
+    samples = iter(engine.generate(requests))  # the engine's own objects, or copies from a remote one
+    return [[next(samples) for _ in group] for group in groups]
 
 
 def rollout(

@@ -71,6 +71,9 @@ class RolloutManager:
         self.actors = [
             EngineActor.remote(model, max_batch_size, max_seq_len, seed) for _ in range(num_engines)
         ]
+        from miles.models.registry import tokenizer_for
+
+        self.tokenizer = tokenizer_for(model)  # prompts are encoded here, generated there
         self.max_retries = max_retries
         self._buckets: list[tuple[BucketMeta, ray.ObjectRef]] = []
         self.version = 0

@@ -72,6 +72,8 @@ class Actor:
         if (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.skipped_steps = 0
+        # set by a data-parallel runner: all-reduces gradients, returns whether every rank is finite
+        self.grad_sync = None
 
     def state_dict(self) -> dict:
         return {
@@ -132,6 +134,8 @@ class Actor:
                     finite = False
                     break
                 (loss * len(mi) / len(idx)).backward()
+            if self.grad_sync is not None:  # data parallelism: average gradients over ranks
+                finite = self.grad_sync(finite)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
             )

@@ -1,0 +1,71 @@
+"""Training ranks on Ray: data parallelism over `torch.distributed` (gloo on CPU, NCCL on GPU).
+
+Each `TrainerActor` holds a full copy of the policy and trains on its shard of every global
+batch; gradients are averaged with one flattened all-reduce per optimizer step (what DDP does,
+but it also covers MoE experts that got no tokens on a rank), so M ranks take the same step as
+one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import ray
+import torch
+import torch.distributed as dist
+
+from miles.config import make_config
+from miles.data.sample import Sample
+
+
+def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
+    """Average gradients over the ranks in place; True only if every rank's loss was finite."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([0.0 if finite else 1.0])])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
+    return bool(flat[-1] == 0)
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    def __init__(self, rank: int, world: int, port: int, values: dict, threads: int = 1) -> None:
+        from miles.models import registry
+        from miles.train.actor import Actor
+
+        torch.set_num_threads(threads)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        cfg = make_config(values)
+        if cfg.train.global_batch_size % world:
+            raise ValueError(
+                f"--global-batch-size {cfg.train.global_batch_size} must split over {world} training ranks"
+            )
+        cfg.train.global_batch_size //= world  # this rank's share of each optimizer step
+        cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, cfg.train.global_batch_size)
+        torch.manual_seed(cfg.train.seed)
+        policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed)
+        self.actor = Actor(policy, cfg)
+        self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
+        self.rank = rank
+
+    def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
+        return self.actor.train(samples, advantages)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.actor.model.state_dict().items()}
+
+    def shutdown(self) -> None:
+        dist.destroy_process_group()
+
+
+def shard(items: list, world: int) -> list[list]:
+    """Contiguous equal shards (the data order of one process, cut in `world` pieces)."""
+    n = len(items) // world
+    return [items[r * n : (r + 1) * n] for r in range(world)]
