@@ -79,3 +79,31 @@ def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
         local_engine.update_weights(list(policy.state_dict().items()), version=step + 1)
         manager.update_weights(states[0].items(), version=step + 1)
     ray.get([r.shutdown.remote() for r in ranks])
+
+
+def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
+    """`miles train --actor-num-gpus-per-node 2 --rollout-num-gpus 2` (processes on CPU) logs the
+    same metrics as the one-process run, and saves a checkpoint from rank 0."""
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+    from tests.test_train_e2e import small_run_args
+
+    train(load_config(small_run_args(tmp_path / "local", 3)))
+    args = small_run_args(tmp_path / "ray", 3) + [
+        "--actor-num-gpus-per-node",
+        "2",
+        "--rollout-num-gpus",
+        "2",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--check-weight-update-equal",
+    ]
+    train(load_config(args))
+    local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    assert [r["rollout"] for r in distributed] == [r["rollout"] for r in local]
+    for a, b in zip(local, distributed):
+        for key in ("reward_mean", "eval_accuracy", "pg_loss", "grad_norm", "train_rollout_logprob_abs_diff"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["rollout"], key)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "2"

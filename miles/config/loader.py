@@ -281,6 +281,26 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
             raise ConfigError(f"{flag} {value}: no such file")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
+    sy = cfg.sync
+    if sy.actor_num_nodes != 1:
+        raise ConfigError("--actor-num-nodes > 1 is not available yet: miles runs on one machine so far")
+    if sy.rollout_num_gpus_per_engine != 1:
+        raise ConfigError("--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not available yet")
+    if sy.actor_num_gpus_per_node < 1 or (sy.rollout_num_gpus is not None and sy.rollout_num_gpus < 1):
+        raise ConfigError("--actor-num-gpus-per-node and --rollout-num-gpus must be >= 1")
+    if sy.actor_num_gpus_per_node > 1:
+        if t.global_batch_size % sy.actor_num_gpus_per_node:
+            raise ConfigError(
+                f"--global-batch-size {t.global_batch_size} must split evenly over --actor-num-gpus-per-node {sy.actor_num_gpus_per_node} ranks"
+            )
+        if a.kl_coef > 0 or (a.use_kl_loss and a.kl_loss_coef > 0):
+            raise ConfigError(
+                "a KL term with --actor-num-gpus-per-node > 1 is not available yet (the reference model lives in one process)"
+            )
+        if r.dynamic_sampling_filter_path:
+            raise ConfigError(
+                "--dynamic-sampling-filter-path with --actor-num-gpus-per-node > 1 is not available yet"
+            )
     if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
         cfg.logging.log_level = "DEBUG"
 

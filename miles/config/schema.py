@@ -279,10 +279,16 @@ class SyncSection:
     check_weight_update_equal: bool = option(
         False, "after each push, compare engine and trainer weights by checksum"
     )
-    actor_num_nodes: int = option(1, "training nodes", available=NOT_YET_DIST)
-    actor_num_gpus_per_node: int = option(1, "training devices per node", available=NOT_YET_DIST)
-    rollout_num_gpus: int | None = option(None, "devices for rollout engines", available=NOT_YET_DIST)
-    rollout_num_gpus_per_engine: int = option(1, "devices per rollout engine", available=NOT_YET_DIST)
+    actor_num_nodes: int = option(1, "training nodes (one machine only so far)")
+    actor_num_gpus_per_node: int = option(
+        1, "training ranks per node (GPUs; on CPU, processes); > 1 runs on Ray + torch.distributed"
+    )
+    rollout_num_gpus: int | None = option(
+        None, "devices for rollout engines (on CPU: engine processes); > 1 runs engines as Ray actors"
+    )
+    rollout_num_gpus_per_engine: int = option(
+        1, "devices per rollout engine (tensor-parallel engines are not built yet: keep 1)"
+    )
 
 
 @dataclass

@@ -49,7 +49,7 @@ def compute_advantages(groups, cfg: RunConfig, actor: Actor) -> list[torch.Tenso
         T = max(lengths)
         mask = torch.tensor([[1.0] * n_ + [0.0] * (T - n_) for n_ in lengths])
         kl = torch.zeros_like(mask)
-        if actor.ref_model is not None and a.kl_coef > 0:
+        if getattr(actor, "ref_model", None) is not None and a.kl_coef > 0:
             old, ref = actor.logprobs(samples), actor.logprobs(samples, actor.ref_model)
             for i, (o, r) in enumerate(zip(old, ref)):
                 kl[i, : len(o)] = o - r
@@ -89,13 +89,40 @@ def push_weights(
     state = hf_state_dict(policy)
     stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
     if check_equal:
-        engine_state = engine.model.state_dict()
-        differ = [n for n, t in state.items() if crc32(engine_state[n]) != crc32(t)]
+        engine_states = engine.states() if hasattr(engine, "states") else [engine.model.state_dict()]
+        differ = sorted({n for es in engine_states for n, t in state.items() if crc32(es[n]) != crc32(t)})
         if differ:
             raise MilesError(
                 f"--check-weight-update-equal: engine weights differ from the trainer's after sync: {differ[:5]}"
             )
     return stats.buckets
+
+
+def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
+    """(trainer, engine): in this process, or on Ray when more than one training rank or rollout
+    engine is asked for (--actor-num-gpus-per-node, --rollout-num-gpus; processes on CPU)."""
+    ranks, engines = cfg.sync.actor_num_gpus_per_node, cfg.sync.rollout_num_gpus or 1
+    r = cfg.rollout
+    if ranks == 1 and engines == 1:
+        engine = Engine(
+            copy.deepcopy(policy),
+            tokenizer,
+            r.rollout_max_batch_size,
+            max_seq_len=max_seq_len,
+            seed=r.rollout_seed,
+        )
+        return Actor(policy, cfg), engine
+    import ray
+
+    from miles.runtime.ray_rollout import RolloutManager
+    from miles.runtime.ray_train import RayTrainer
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    manager = RolloutManager(cfg.model.model, engines, r.rollout_max_batch_size, max_seq_len, r.rollout_seed)
+    trainer = Actor(policy, cfg) if ranks == 1 else RayTrainer(cfg, policy, ranks)
+    manager.update_weights(hf_state_dict(policy).items(), version=0)  # the engines start from the policy
+    return trainer, manager
 
 
 def train(cfg: RunConfig) -> Path:
@@ -117,9 +144,10 @@ def train(cfg: RunConfig) -> Path:
     if cfg.rollout.dynamic_sampling_filter_path:
         p = cfg.rollout.dynamic_sampling_filter_path
         keep = nonconstant_reward if p == "default" else load_function(p, "--dynamic-sampling-filter-path")
-    actor = Actor(policy, cfg)
-    engine = Engine(copy.deepcopy(policy), tokenizer, cfg.rollout.rollout_max_batch_size, seed=cfg.rollout.rollout_seed,
-                    max_seq_len=min(policy.config.max_position_embeddings, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1))  # fmt: skip
+    max_seq_len = min(
+        policy.config.max_position_embeddings, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1
+    )
+    actor, engine = build_executor(cfg, policy, tokenizer, max_seq_len)
     run_dir = run_dir_for(cfg)
     metrics = MetricsLogger(
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)

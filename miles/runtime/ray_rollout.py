@@ -90,6 +90,14 @@ class RolloutManager:
         self._buckets, self.version = buckets, version
         ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
 
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        """Every engine's weights (for --check-weight-update-equal)."""
+        return [state for _, state in ray.get([a.state.remote() for a in self.actors])]
+
     def _recover(self, index: int) -> None:
         """Wait for Ray to restart actor `index`, then give it the current weights."""
         self.restarts += 1

@@ -61,6 +61,13 @@ class TrainerActor:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.actor.model.state_dict().items()}
 
+    def actor_state(self) -> dict:
+        return self.actor.state_dict()
+
+    def load(self, model_state: dict[str, torch.Tensor], actor_state: dict) -> None:
+        self.actor.model.load_state_dict(model_state)
+        self.actor.load_state_dict(actor_state)
+
     def shutdown(self) -> None:
         dist.destroy_process_group()
 
@@ -69,3 +76,47 @@ def shard(items: list, world: int) -> list[list]:
     """Contiguous equal shards (the data order of one process, cut in `world` pieces)."""
     n = len(items) // world
     return [items[r * n : (r + 1) * n] for r in range(world)]
+
+
+class RayTrainer:
+    """`world` TrainerActors behind the interface of the local `Actor` (train, state_dict,
+    load_state_dict); after each step rank 0's weights are copied into `policy`, the driver's
+    copy used for weight sync and checkpoints."""
+
+    def __init__(self, cfg, policy: torch.nn.Module, world: int) -> None:
+        import dataclasses
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        values = {
+            f.name: getattr(getattr(cfg, sec.name), f.name)
+            for sec in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, sec.name))
+        }
+        self.ranks = [TrainerActor.remote(r, world, port, values) for r in range(world)]
+        self.policy, self.world = policy, world
+        self.ref_model = None
+
+    def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
+        if len(samples) % self.world:
+            raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
+        per_rank = ray.get(
+            [
+                r.train.remote(s, a)
+                for r, s, a in zip(
+                    self.ranks, shard(list(samples), self.world), shard(list(advantages), self.world)
+                )
+            ]
+        )
+        self.policy.load_state_dict(ray.get(self.ranks[0].state_dict.remote()))
+        keys = set.intersection(*(set(m) for m in per_rank))
+        return {k: sum(m[k] for m in per_rank) / self.world for k in keys}
+
+    def state_dict(self) -> dict:
+        return ray.get(self.ranks[0].actor_state.remote())
+
+    def load_state_dict(self, state: dict) -> None:
+        model_state = self.policy.state_dict()
+        ray.get([r.load.remote(model_state, state) for r in self.ranks])
