@@ -73,7 +73,7 @@ def test_every_guide_flag_is_listed_in_help():
         (["--tis-threshold", "1.5"], "--tis-threshold must be in (0, 1]"),
         (["--fp8-format", "e4m3"], "--fp8-format is not available yet"),
         (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
-        (["--use-zero-copy-sync"], "--use-zero-copy-sync is not available yet"),
+        (["--async-weight-sync"], "--async-weight-sync is not available yet"),
         (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
         (["--task", "basic_arithmetic", "--prompt-data", "x.jsonl"], "--task or --prompt-data, not both"),
         (["stray"], "unexpected argument 'stray'"),

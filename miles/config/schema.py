@@ -271,7 +271,10 @@ class SyncSection:
     sync_bucket_size: int = option(
         512 * 1024**2, "bytes per weight-sync bucket", aliases=("update_weight_buffer_size",)
     )
-    use_zero_copy_sync: bool = option(False, "pass memory handles instead of bytes", available=NOT_YET_DIST)
+    use_zero_copy_sync: bool = option(
+        False,
+        "engines on this host map the trainer's weights (shared memory on CPU) instead of receiving bytes; falls back to bucketed sync, with one warning, where they cannot",
+    )
     async_weight_sync: bool = option(
         False, "overlap the weight transfer with the next rollout", available=NOT_YET_DIST
     )

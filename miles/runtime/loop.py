@@ -29,7 +29,14 @@ from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkp
 from miles.runtime.metrics import MetricsLogger
 from miles.runtime.setup import build_data, run_dir_for
 from miles.sync.buckets import crc32
-from miles.sync.transports import BucketBuffer, send_bucketed
+from miles.sync.transports import (
+    BucketBuffer,
+    SyncStats,
+    send_bucketed,
+    send_shared,
+    share,
+    shared_memory_available,
+)
 from miles.train.actor import Actor
 
 log = logging.getLogger("miles")
@@ -83,11 +90,16 @@ def push_weights(
     bucket_bytes: int,
     check_equal: bool,
     staging: BucketBuffer | None = None,
-) -> int:
-    """Send the policy's HF-named tensors to the engine in CRC-checked buckets of at most
-    `bucket_bytes`; returns the number of buckets. With `check_equal`, compare checksums after."""
+    zero_copy: bool = False,
+) -> SyncStats:
+    """Send the policy's HF-named tensors to the engine: with `zero_copy`, handles to its shared
+    memory; else CRC-checked buckets of at most `bucket_bytes`. With `check_equal`, compare CRCs
+    of engine and trainer weights after."""
     state = hf_state_dict(policy)
-    stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
+    if zero_copy:
+        stats = send_shared(list(state.items()), engine, version)
+    else:
+        stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
     if check_equal:
         engine_states = engine.states() if hasattr(engine, "states") else [engine.model.state_dict()]
         differ = sorted({n for es in engine_states for n, t in state.items() if crc32(es[n]) != crc32(t)})
@@ -95,7 +107,7 @@ def push_weights(
             raise MilesError(
                 f"--check-weight-update-equal: engine weights differ from the trainer's after sync: {differ[:5]}"
             )
-    return stats.buckets
+    return stats
 
 
 def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
@@ -148,6 +160,20 @@ def train(cfg: RunConfig) -> Path:
         policy.config.max_position_embeddings, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1
     )
     actor, engine = build_executor(cfg, policy, tokenizer, max_seq_len)
+    zero_copy = cfg.sync.use_zero_copy_sync
+    if zero_copy and not shared_memory_available():
+        log.warning(
+            "--use-zero-copy-sync: shared memory is not available here; using the standard bucketed sync"
+        )
+        zero_copy = False
+    if zero_copy and not isinstance(engine, Engine):
+        # Ray engine actors fail to open the handles yet (the shm file is gone; see docs/distributed.md)
+        log.warning(
+            "--use-zero-copy-sync: not working for Ray engine actors yet; using the standard bucketed sync"
+        )
+        zero_copy = False
+    if zero_copy:
+        share(hf_state_dict(policy).items())  # the policy's weights now live in shared memory
     run_dir = run_dir_for(cfg)
     metrics = MetricsLogger(
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
@@ -195,13 +221,17 @@ def train(cfg: RunConfig) -> Path:
                     f"exceeds {cfg.algo.verify_logprobs_threshold} at rollout {rollout_id}; try --use-r3 and --use-tis"
                 )
             if (rollout_id + 1) % cfg.sync.update_weights_interval == 0:
-                step["sync_buckets"] = push_weights(
+                sync = push_weights(
                     policy,
                     engine,
                     rollout_id + 1,
                     cfg.sync.sync_bucket_size,
                     cfg.sync.check_weight_update_equal,
                     staging,
+                    zero_copy,
+                )
+                step.update(
+                    sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
                 )
         t2 = time.perf_counter()
         step.update(

@@ -47,6 +47,12 @@ class EngineActor:
             self.engine.update_weights(unpack(flat, meta), version=version)
         return self.engine.weight_version
 
+    def update_weights_from_handles(self, blob: bytes, version: int) -> int:
+        from miles.sync.transports import open_handles
+
+        self.engine.update_weights(open_handles(blob), version=version)
+        return self.engine.weight_version
+
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.engine.weight_version, self.engine.model.state_dict()
 
@@ -76,6 +82,7 @@ class RolloutManager:
         self.tokenizer = tokenizer_for(model)  # prompts are encoded here, generated there
         self.max_retries = max_retries
         self._buckets: list[tuple[BucketMeta, ray.ObjectRef]] = []
+        self._handles: bytes | None = None
         self.version = 0
         self.restarts = 0
 
@@ -87,8 +94,13 @@ class RolloutManager:
         for items in plan_buckets(named, bucket_bytes):
             flat, meta = pack(items)
             buckets.append((meta, ray.put(flat)))
-        self._buckets, self.version = buckets, version
+        self._buckets, self._handles, self.version = buckets, None, version
         ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
+
+    def update_weights_from_handles(self, blob: bytes, version: int) -> None:
+        """Zero-copy: every actor maps the trainer's shared memory from the handles in `blob`."""
+        self._buckets, self._handles, self.version = [], blob, version
+        ray.get([a.update_weights_from_handles.remote(blob, version) for a in self.actors])
 
     @property
     def weight_version(self) -> int:
@@ -104,7 +116,11 @@ class RolloutManager:
         deadline = time.time() + 120
         while True:
             try:
-                if self._buckets:
+                if self._handles is not None:
+                    ray.get(
+                        self.actors[index].update_weights_from_handles.remote(self._handles, self.version)
+                    )
+                elif self._buckets:
                     ray.get(self.actors[index].update_weights.remote(self._buckets, self.version))
                 else:
                     ray.get(self.actors[index].pid.remote())

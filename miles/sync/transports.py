@@ -121,10 +121,14 @@ def open_handles(blob: bytes) -> list[tuple[str, torch.Tensor]]:
 
 
 def send_shared(named: list[tuple[str, torch.Tensor]], receiver, version: int | None) -> SyncStats:
-    """Pass handles; the receiver maps the memory and copies it into its own weights."""
+    """Pass handles; the receiver maps the memory and copies it into its own weights (a remote
+    receiver with `update_weights_from_handles` opens them in its own processes)."""
     t0 = time.perf_counter()
     blob = handles(named)
-    receiver.update_weights(open_handles(blob), version=version)
+    if hasattr(receiver, "update_weights_from_handles"):
+        receiver.update_weights_from_handles(blob, version)
+    else:
+        receiver.update_weights(open_handles(blob), version=version)
     payload = sum(t.numel() * t.element_size() for _, t in named)
     return SyncStats(len(named), 1, payload, len(blob), time.perf_counter() - t0)
 
