@@ -17,7 +17,7 @@ from miles.runtime.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = ROOT / "miles" / "assets" / "default_train.yaml"
-TIMING = {"rollout_time", "train_time", "step_time"}
+TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}
 
 
 def small_run_args(out: Path, num_rollout: int) -> list[str]:
