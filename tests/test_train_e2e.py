@@ -143,3 +143,42 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
     )
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_async_one_step_off_policy(tmp_path):
+    """--async-weight-sync: rollout N+1 runs during step N; every sample records its staleness,
+    which never passes --max-staleness, and the overlap really happens."""
+    from miles.runtime import loop
+
+    seen = []
+    real = loop.drop_stale
+
+    def spy(groups, trainer_version, bound):
+        kept, dropped = real(groups, trainer_version, bound)
+        seen.extend(s.metadata["staleness"] for g in groups for s in g)
+        return kept, dropped
+
+    loop.drop_stale = spy
+    try:
+        train(load_config(small_run_args(tmp_path / "async", 5) + ["--async-weight-sync"]))
+    finally:
+        loop.drop_stale = real
+    records = read_metrics(tmp_path / "async")
+    assert [r["rollout"] for r in records] == [-1, 0, 1, 2, 3, 4]
+    assert set(seen) <= {0, 1} and 1 in seen  # one step off-policy, never more
+    assert all(r["stale_dropped"] == 0 for r in records if "stale_dropped" in r)
+    assert all("pg_loss" in r for r in records if r["rollout"] >= 0)
+
+
+def test_drop_stale_bounds_staleness():
+    from types import SimpleNamespace
+
+    from miles.runtime.loop import drop_stale
+
+    def sample(*versions):
+        return SimpleNamespace(weight_versions=list(versions), metadata={})
+
+    fresh, one, two = [sample(5)], [sample(4, 5)], [sample(3), sample(5)]
+    kept, dropped = drop_stale([fresh, one, two], trainer_version=5, bound=1)
+    assert kept == [fresh, one] and dropped == 1
+    assert [s.metadata["staleness"] for g in (fresh, one, two) for s in g] == [0, 1, 2, 0]

@@ -282,6 +282,14 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
         raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
     sy = cfg.sync
+    if sy.async_weight_sync and sy.max_staleness < 1:
+        raise ConfigError(
+            "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
+        )
+    if sy.async_weight_sync and sy.use_zero_copy_sync:
+        raise ConfigError(
+            "--async-weight-sync with --use-zero-copy-sync is not available yet (the engine would read weights mid-update)"
+        )
     if sy.actor_num_nodes != 1:
         raise ConfigError("--actor-num-nodes > 1 is not available yet: miles runs on one machine so far")
     if sy.rollout_num_gpus_per_engine != 1:

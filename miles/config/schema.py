@@ -276,7 +276,13 @@ class SyncSection:
         "engines on this host map the trainer's weights (shared memory on CPU) instead of receiving bytes; falls back to bucketed sync, with one warning, where they cannot",
     )
     async_weight_sync: bool = option(
-        False, "overlap the weight transfer with the next rollout", available=NOT_YET_DIST
+        False,
+        "one-step off-policy: rollout N+1 runs while step N trains, and step N's weights land in the engine at a "
+        "decoding-step boundary of rollout N+1 (versions tracked per sample)",
+    )
+    max_staleness: int = option(
+        1,
+        "with --async-weight-sync: drop samples whose oldest weight version is more than this many steps behind the trainer",
     )
     update_weights_interval: int = option(1, "push weights to the engine every N rollouts")
     check_weight_update_equal: bool = option(

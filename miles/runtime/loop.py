@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -110,6 +111,18 @@ def push_weights(
     return stats
 
 
+def drop_stale(groups, trainer_version: int, bound: int):
+    """Record each sample's staleness (trainer version - oldest weight version it was generated
+    with) and drop the groups holding a sample staler than `bound`; returns (groups, dropped)."""
+    kept = []
+    for group in groups:
+        for s in group:
+            s.metadata["staleness"] = trainer_version - min(s.weight_versions or [trainer_version])
+        if all(s.metadata["staleness"] <= bound for s in group):
+            kept.append(group)
+    return kept, len(groups) - len(kept)
+
+
 def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
     """(trainer, engine): in this process, or on Ray when more than one training rank or rollout
     engine is asked for (--actor-num-gpus-per-node, --rollout-num-gpus; processes on CPU)."""
@@ -204,10 +217,27 @@ def train(cfg: RunConfig) -> Path:
         initial=start,
         total=cfg.rollout.num_rollout,
     )
+    draw = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
+    pool = (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
+        if cfg.sync.async_weight_sync
+        else None
+    )
+    ahead = None  # with --async-weight-sync: the next rollout, already running
+
+    def start_rollout(rid: int):  # prompts are taken here, in order, so checkpoints know the position
+        return pool.submit(rollout, engine, data.train.take(draw), cfg, rewards, rid, keep)
+
     for rollout_id in bar:
         t0 = time.perf_counter()
-        draw = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
-        groups, step = rollout(engine, data.train.take(draw), cfg, rewards, rollout_id, keep)
+        if pool is None:
+            groups, step = rollout(engine, data.train.take(draw), cfg, rewards, rollout_id, keep)
+        else:
+            groups, step = (ahead or start_rollout(rollout_id)).result()
+            ahead = start_rollout(rollout_id + 1) if rollout_id + 1 < cfg.rollout.num_rollout else None
+            groups, step["stale_dropped"] = drop_stale(
+                groups, trainer_version=rollout_id, bound=cfg.sync.max_staleness
+            )
         t1 = time.perf_counter()
         if groups and not cfg.debug.debug_rollout_only:
             samples = [s for g in groups for s in g]
@@ -241,7 +271,10 @@ def train(cfg: RunConfig) -> Path:
         if data.eval_items and (
             last or (cfg.data.eval_interval and (rollout_id + 1) % cfg.data.eval_interval == 0)
         ):
-            step.update(evaluate(engine, data.eval_items, cfg, rewards))
+            if pool is None:
+                step.update(evaluate(engine, data.eval_items, cfg, rewards))
+            else:  # after the running rollout, on its thread: the engine serves one caller at a time
+                step.update(pool.submit(evaluate, engine, data.eval_items, cfg, rewards).result())
         metrics.log(rollout_id, step)
         last_eval = step.get("eval_accuracy", last_eval)
         bar.set_postfix(
@@ -258,9 +291,14 @@ def train(cfg: RunConfig) -> Path:
                 rollout_id,
                 policy,
                 tokenizer,
-                {"actor": actor.state_dict(), "data_position": data.train.position},
+                {
+                    "actor": actor.state_dict(),
+                    "data_position": data.train.position - (draw if ahead is not None else 0),
+                },
             )
     bar.close()
+    if pool is not None:
+        pool.shutdown()
     metrics.close()
     if cfg.checkpoint.save_hf:
         save_model(policy, cfg.checkpoint.save_hf, tokenizer=tokenizer)
