@@ -179,12 +179,6 @@ def train(cfg: RunConfig) -> Path:
             "--use-zero-copy-sync: shared memory is not available here; using the standard bucketed sync"
         )
         zero_copy = False
-    if zero_copy and not isinstance(engine, Engine):
-        # Ray engine actors fail to open the handles yet (the shm file is gone; see docs/distributed.md)
-        log.warning(
-            "--use-zero-copy-sync: not working for Ray engine actors yet; using the standard bucketed sync"
-        )
-        zero_copy = False
     if zero_copy:
         share(hf_state_dict(policy).items())  # the policy's weights now live in shared memory
     run_dir = run_dir_for(cfg)

@@ -48,9 +48,14 @@ class EngineActor:
         return self.engine.weight_version
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> int:
+        """Map the trainer's shared weights once and keep the mapping: the trainer updates them
+        in place, so later syncs with the same handles only copy. (Dropping a mapping lets the
+        shm manager unlink the file, and the next open fails.)"""
         from miles.sync.transports import open_handles
 
-        self.engine.update_weights(open_handles(blob), version=version)
+        if blob != getattr(self, "_mapped_blob", None):
+            self._mapped, self._mapped_blob = open_handles(blob), blob
+        self.engine.update_weights(self._mapped, version=version)
         return self.engine.weight_version
 
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
