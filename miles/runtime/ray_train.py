@@ -14,9 +14,11 @@ from collections.abc import Sequence
 import ray
 import torch
 import torch.distributed as dist
+from ray.exceptions import RayActorError
 
 from miles.config import make_config
 from miles.data.sample import Sample
+from miles.errors import MilesError
 
 
 def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
@@ -102,14 +104,15 @@ class RayTrainer:
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         if len(samples) % self.world:
             raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
-        per_rank = ray.get(
-            [
-                r.train.remote(s, a)
-                for r, s, a in zip(
-                    self.ranks, shard(list(samples), self.world), shard(list(advantages), self.world)
-                )
-            ]
-        )
+        shards = zip(self.ranks, shard(list(samples), self.world), shard(list(advantages), self.world))
+        calls = [r.train.remote(s, a) for r, s, a in shards]
+        try:
+            per_rank = ray.get(calls)
+        except RayActorError as e:  # a rank died: its gradients are lost, the step cannot finish
+            raise MilesError(
+                f"a training rank died during the step ({type(e).__name__}); the run stops here. Resume from the "
+                "last checkpoint with --load (checkpoints need --save and --save-interval)"
+            ) from e
         self.policy.load_state_dict(ray.get(self.ranks[0].state_dict.remote()))
         keys = set.intersection(*(set(m) for m in per_rank))
         return {k: sum(m[k] for m in per_rank) / self.world for k in keys}
