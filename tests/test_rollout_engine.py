@@ -323,3 +323,27 @@ def test_group_prefill_is_shared_and_changes_nothing():
         assert (alone.rollout_routed_experts == s.rollout_routed_experts).all()
     recomputed = response_logprobs(model, samples, temperature=1.0, replay_routing=True)
     assert max(abs(a - b) for s, r in zip(samples, recomputed) for a, b in zip(s.rollout_log_probs, r)) < 1e-5
+
+
+def test_paused_holds_decoding_across_a_multi_part_update():
+    """Buckets sent inside `engine.paused()` all land before the next decoding step, and the
+    running requests' cache is recomputed once, not once per bucket."""
+    model = peaked("llama", seed=0)
+    engine = Engine(model, max_batch_size=2, max_seq_len=64)
+    engine.add_request(Request([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)))
+    engine.step()
+    refills = []
+    real = engine._refill
+    engine._refill = lambda states: refills.append(len(states)) or real(states)
+    new = list(peaked("llama", seed=4).state_dict().items())
+    progressed = []
+    with engine.paused():
+        engine.update_weights(new[: len(new) // 2], version=1)
+        stepper = threading.Thread(target=lambda: progressed.append(len(engine.step())))
+        stepper.start()
+        stepper.join(timeout=0.3)
+        assert stepper.is_alive()  # no step between the parts
+        engine.update_weights(new[len(new) // 2 :], version=1)
+    stepper.join(timeout=30)
+    assert progressed == [0] and refills == [1]
+    assert engine.weight_version == 1

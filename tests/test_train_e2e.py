@@ -182,3 +182,24 @@ def test_drop_stale_bounds_staleness():
     kept, dropped = drop_stale([fresh, one, two], trainer_version=5, bound=1)
     assert kept == [fresh, one] and dropped == 1
     assert [s.metadata["staleness"] for g in (fresh, one, two) for s in g] == [0, 1, 2, 0]
+
+
+def test_over_sampling_trains_on_rollout_batch_size_groups():
+    """--over-sampling-batch-size draws more prompts; without a filter the step still keeps
+    rollout_batch_size groups (the global batch)."""
+    import copy as copy_mod
+
+    from miles.models import registry
+    from miles.rewards.runner import RewardRunner
+    from miles.rollout import Engine
+    from miles.rollout.rollout import rollout
+    from miles.runtime.setup import build_data
+
+    cfg = load_config(small_run_args(Path("/tmp/unused"), 1) + ["--over-sampling-batch-size", "6"])
+    data = build_data(cfg)
+    policy, tok = registry.load("tiny")
+    engine = Engine(copy_mod.deepcopy(policy), tok, 64, max_seq_len=128)
+    groups, _ = rollout(
+        engine, data.train.take(6), cfg, RewardRunner("auto", None, False, 30.0, data.task_dataset), 0, None
+    )
+    assert len(groups) == cfg.rollout.rollout_batch_size == 4

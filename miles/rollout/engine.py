@@ -13,6 +13,7 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +83,7 @@ class Engine:
         self._step_lock = threading.RLock()  # held for a whole step: updates land between steps
         self._pending_updates: list[tuple[list[tuple[str, torch.Tensor]], int | None, threading.Event]] = []
         self._abort = False
+        self._defer_refill = self._needs_refill = False  # see paused()
 
     # ---- public API ----
 
@@ -142,6 +144,20 @@ class Engine:
                 self._apply_updates()
             done.wait()
 
+    @contextmanager
+    def paused(self):
+        """Hold decoding across a weight update sent in several parts (buckets): no step runs
+        between the parts, and in-flight requests' keys/values are recomputed once, at the end."""
+        with self._step_lock:
+            self._defer_refill = True
+            try:
+                yield self
+            finally:
+                self._defer_refill = False
+                if self._needs_refill and self._running:
+                    self._refill(list(self._running.values()))
+                self._needs_refill = False
+
     def flush_cache(self) -> bool:
         """Zero the KV cache when no request is in flight (SGLang's /flush_cache); False if busy."""
         with self._step_lock:
@@ -177,7 +193,10 @@ class Engine:
             apply_named_tensors(self.model, tensors)
             self.weight_version = version if version is not None else self.weight_version + 1
         if self._running:  # keys/values of running requests were computed by the old weights
-            self._refill(list(self._running.values()))
+            if self._defer_refill:
+                self._needs_refill = True
+            else:
+                self._refill(list(self._running.values()))
         for *_, done in updates:
             done.set()
 

@@ -79,5 +79,6 @@ def rollout(
     if keep_group is not None:
         kept = [g for g in groups if keep_group(g)]
         metrics["groups_dropped"] = len(groups) - len(kept)
-        groups = kept[: cfg.rollout.rollout_batch_size]
-    return groups, metrics
+        groups = kept
+    # over-sampling draws extra prompts; the step trains on at most rollout_batch_size of them
+    return groups[: cfg.rollout.rollout_batch_size], metrics

@@ -99,8 +99,14 @@ def push_weights(
     state = hf_state_dict(policy)
     if zero_copy:
         stats = send_shared(list(state.items()), engine, version)
-    else:
-        stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
+    elif isinstance(engine, Engine):
+        with engine.paused():  # every bucket lands before the next decoding step (async rollouts)
+            stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
+    else:  # Ray engines: the manager buckets one whole update, so a restarted actor gets all of it
+        t0 = time.perf_counter()
+        buckets = engine.update_weights(state.items(), version, bucket_bytes)
+        payload = sum(t.numel() * t.element_size() for t in state.values())
+        stats = SyncStats(len(state), buckets, payload, payload, time.perf_counter() - t0)
     if check_equal:
         engine_states = engine.states() if hasattr(engine, "states") else [engine.model.state_dict()]
         differ = sorted({n for es in engine_states for n, t in state.items() if crc32(es[n]) != crc32(t)})

@@ -93,14 +93,16 @@ class RolloutManager:
 
     def update_weights(
         self, named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = 512 * 1024**2
-    ) -> None:
-        """Put each bucket into the object store once; every actor fetches it."""
+    ) -> int:
+        """Put each bucket into the object store once; every actor fetches it. The buckets are
+        kept (until the next update) to re-sync an actor that restarts. Returns their count."""
         buckets = []
         for items in plan_buckets(named, bucket_bytes):
             flat, meta = pack(items)
             buckets.append((meta, ray.put(flat)))
         self._buckets, self._handles, self.version = buckets, None, version
         ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
+        return len(buckets)
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> None:
         """Zero-copy: every actor maps the trainer's shared memory from the handles in `blob`."""

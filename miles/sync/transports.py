@@ -38,10 +38,6 @@ class SyncStats:
     moved_bytes: int = 0  # bytes actually serialised or copied through the transport
     seconds: float = 0.0
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.payload_bytes / max(self.seconds, 1e-9) / 1e9
-
 
 class BucketBuffer:
     """One staging buffer reused by every bucket of every sync (allocated on first use)."""
