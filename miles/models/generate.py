@@ -1,4 +1,4 @@
-"""Greedy decoding with a KV cache: the plain loop behind `miles generate` and the cache tests."""
+"""Greedy decoding with a KV cache in one plain loop: the independent oracle the engine and CLI tests compare against."""
 
 from __future__ import annotations
 
