@@ -18,7 +18,9 @@ from tests.conftest import random_model
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+    )  # logical: a bundle is a process
     yield
     ray.shutdown()
 

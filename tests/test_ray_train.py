@@ -26,7 +26,9 @@ from tests.test_train_e2e import DEFAULT_YAML
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+    )  # logical: a bundle is a process
     yield
     ray.shutdown()
 
@@ -180,3 +182,71 @@ def test_training_rank_failure_stops_cleanly_and_resumes(ray_cluster, tmp_path):
     for a, b in zip(ref, got):
         for k in a:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["rollout"], k)
+
+
+@pytest.mark.parametrize(
+    "layout, algo",
+    [
+        (  # 2 nodes x 1 rank, one engine colocated on each; a KL loss to the reference on every rank
+            ["--actor-num-nodes", "2", "--rollout-num-gpus", "2", "--colocate"],
+            ["--use-kl-loss", "--kl-loss-coef", "0.05"],
+        ),
+        (  # disaggregated 2 + 2; REINFORCE++ with the KL penalty in the reward, computed by the ranks
+            ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"],
+            ["--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.05"],
+        ),
+    ],
+    ids=["colocated-kl-loss", "disaggregated-kl-reward"],
+)
+def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, algo):
+    """Ranks and engines sit in one placement group (colocated: engine i in rank i's bundle, and
+    engines free their KV cache while training runs); a KL term against the reference model
+    works on every rank; the metrics equal the one-process run's."""
+    from miles.config import load_config
+    from miles.runtime.loop import build_executor, train
+    from miles.runtime.metrics import read_metrics
+    from tests.test_train_e2e import small_run_args
+
+    cfg = load_config(small_run_args(tmp_path / "probe", 1) + layout + algo)
+    policy, tok = registry.load("tiny")
+    trainer, manager = build_executor(cfg, policy, tok, 128)
+    try:
+        # Ray's accounting: each actor in a bundle takes 0.001 of its "bundle_group_<i>_<pg>" resource
+        ray.get(
+            [a.kv_cache_bytes.remote() for a in manager.actors]
+            + [r.actor_state.remote() for r in trainer.ranks]
+        )
+        pg, avail = manager.placement.group.id.hex(), ray.available_resources()
+        bundles = manager.placement.layout.num_bundles
+        actors_in = [round((1000 - avail[f"bundle_group_{i}_{pg}"]) / 0.001) for i in range(bundles)]
+        assert actors_in == ([2, 2] if cfg.sync.colocate else [1, 1, 1, 1])  # colocated: rank i + engine i
+        assert all(avail.get(f"CPU_group_{i}_{pg}", 0) == 0 for i in range(bundles))  # devices full
+        # the reference KL: computed on the ranks, zero before any step (policy == reference)
+        data = build_data(cfg)
+        groups, _ = rollout(
+            manager,
+            data.train.take(2),
+            cfg,
+            RewardRunner("auto", None, False, 30.0, data.task_dataset),
+            0,
+            None,
+        )
+        samples = [s for g in groups for s in g]
+        kl = trainer.reference_kl(samples)
+        assert [len(t) for t in kl] == [s.response_length for s in samples]
+        assert all(t.abs().max() == 0 for t in kl)
+    finally:
+        manager.shutdown()
+
+    train(load_config(small_run_args(tmp_path / "local", 3) + algo))
+    train(load_config(small_run_args(tmp_path / "ray", 3) + layout + algo + ["--check-weight-update-equal"]))
+    local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    assert [r["rollout"] for r in distributed] == [r["rollout"] for r in local]
+    for a, b in zip(local, distributed):
+        for key in ("reward_mean", "eval_accuracy", "pg_loss", "kl_loss", "grad_norm"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["rollout"], key)
+    trained = [r for r in distributed if r["rollout"] >= 0]
+    if "--colocate" in layout:
+        assert all(r["rollout_memory_released_bytes"] > 0 for r in trained)
+    assert any(r.get("kl_loss", 0) > 0 for r in trained) or "--kl-coef" in algo

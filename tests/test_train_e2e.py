@@ -73,7 +73,8 @@ def test_kill_and_resume_gives_the_same_run(tmp_path):
 
 def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
     """GRPO on the shipped base model raises held-out greedy accuracy, and by a margin that the
-    same run with a broken loss (advantages negated) cannot reach. Fixed seeds: deterministic."""
+    same run with a broken loss (advantages negated) cannot reach. Fixed seeds: deterministic.
+    The margins have room: measured 0.33 -> 0.795 here; the broken run falls to 0.035."""
     import miles.runtime.loop as loop
 
     def run(out: Path) -> list[float]:
@@ -81,7 +82,7 @@ def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
             "--config",
             str(DEFAULT_YAML),
             "--num-rollout",
-            "40",
+            "25",
             "--eval-interval",
             "0",
             "--eval-size",
@@ -98,8 +99,9 @@ def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "compute_advantages", lambda *a: [-x for x in real(*a)])
     broken_before, broken_after = run(tmp_path / "broken")
     assert broken_before == before
-    assert after > before, (before, after)
-    assert after > broken_after + 0.2, (after, broken_after)  # the broken loss collapses to ~0
+    print(f"held-out accuracy: {before:.3f} -> {after:.3f}; negated advantages -> {broken_after:.3f}")
+    assert after > before + 0.3, (before, after)  # the base's 0.33 rises past 0.7 in 25 steps
+    assert after > broken_after + 0.3, (after, broken_after)  # the broken loss falls instead
 
 
 def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):

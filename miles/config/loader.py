@@ -290,25 +290,30 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         raise ConfigError(
             "--async-weight-sync with --use-zero-copy-sync is not available yet (the engine would read weights mid-update)"
         )
-    if sy.actor_num_nodes != 1:
-        raise ConfigError("--actor-num-nodes > 1 is not available yet: miles runs on one machine so far")
     if sy.rollout_num_gpus_per_engine != 1:
         raise ConfigError("--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not available yet")
-    if sy.actor_num_gpus_per_node < 1 or (sy.rollout_num_gpus is not None and sy.rollout_num_gpus < 1):
-        raise ConfigError("--actor-num-gpus-per-node and --rollout-num-gpus must be >= 1")
-    if sy.actor_num_gpus_per_node > 1:
-        if t.global_batch_size % sy.actor_num_gpus_per_node:
-            raise ConfigError(
-                f"--global-batch-size {t.global_batch_size} must split evenly over --actor-num-gpus-per-node {sy.actor_num_gpus_per_node} ranks"
-            )
-        if a.kl_coef > 0 or (a.use_kl_loss and a.kl_loss_coef > 0):
-            raise ConfigError(
-                "a KL term with --actor-num-gpus-per-node > 1 is not available yet (the reference model lives in one process)"
-            )
-        if r.dynamic_sampling_filter_path:
-            raise ConfigError(
-                "--dynamic-sampling-filter-path with --actor-num-gpus-per-node > 1 is not available yet"
-            )
+    if (
+        sy.actor_num_nodes < 1
+        or sy.actor_num_gpus_per_node < 1
+        or (sy.rollout_num_gpus is not None and sy.rollout_num_gpus < 1)
+    ):
+        raise ConfigError("--actor-num-nodes, --actor-num-gpus-per-node and --rollout-num-gpus must be >= 1")
+    world = sy.actor_num_nodes * sy.actor_num_gpus_per_node
+    if world > 1 and t.global_batch_size % world:
+        raise ConfigError(
+            f"--global-batch-size {t.global_batch_size} must split evenly over the {world} training ranks "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if sy.colocate and sy.async_weight_sync:
+        raise ConfigError(
+            "--colocate with --async-weight-sync: colocated rollout and training take turns on the same devices, "
+            "so rollout N+1 cannot overlap training N; drop one of them"
+        )
+    if sy.colocate and world > 1 and (sy.rollout_num_gpus or 1) != world:
+        raise ConfigError(
+            f"--colocate runs one engine on each training device: --rollout-num-gpus must be {world} "
+            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
     if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
         cfg.logging.log_level = "DEBUG"
 

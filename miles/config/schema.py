@@ -266,7 +266,10 @@ class SyncSection:
     """Moving weights from the trainer to the rollout engine."""
 
     colocate: bool = option(
-        False, "training and rollout share devices (always true for the local one-process executor)"
+        False,
+        "training ranks and rollout engines share devices (one engine per training device, in the same placement-group "
+        "bundle); they take turns and engines free their KV cache while training runs. The local one-process "
+        "executor is colocated anyway; there the flag only frees the KV cache between rollouts",
     )
     sync_bucket_size: int = option(
         512 * 1024**2, "bytes per weight-sync bucket", aliases=("update_weight_buffer_size",)
@@ -288,7 +291,9 @@ class SyncSection:
     check_weight_update_equal: bool = option(
         False, "after each push, compare engine and trainer weights by checksum"
     )
-    actor_num_nodes: int = option(1, "training nodes (one machine only so far)")
+    actor_num_nodes: int = option(
+        1, "training nodes; ranks = nodes x --actor-num-gpus-per-node, packed into one Ray placement group"
+    )
     actor_num_gpus_per_node: int = option(
         1, "training ranks per node (GPUs; on CPU, processes); > 1 runs on Ray + torch.distributed"
     )

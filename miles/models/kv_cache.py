@@ -29,6 +29,10 @@ class KVCache:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.slots, self.max_len = slots, max_len
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     def write(
         self, layer: int, rows: Rows, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:

@@ -163,9 +163,23 @@ class Engine:
         with self._step_lock:
             if self.has_work():
                 return False
-            for buf in self.cache.keys + self.cache.values:
-                buf.zero_()
+            if self.cache is not None:
+                for buf in self.cache.keys + self.cache.values:
+                    buf.zero_()
             return True
+
+    def release_memory(self) -> int:
+        """Free the KV cache while nothing is in flight, so a colocated trainer can use the
+        memory; the next step allocates it again. Returns the bytes freed (0 if busy)."""
+        with self._step_lock:
+            if self.has_work() or self.cache is None:
+                return 0
+            freed, self.cache = self.cache.nbytes, None
+            return freed
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes
 
     def abort_all(self) -> None:
         """Finish every waiting and running request as ABORTED at the next step."""
@@ -176,6 +190,8 @@ class Engine:
     def step(self) -> list[Sample]:
         """Admit, prefill, decode one token for each running request; return finished samples."""
         with self._step_lock:
+            if self.cache is None:  # released by release_memory()
+                self.cache = self.model.new_cache(self.slots, self.max_seq_len)
             self._apply_updates()
             if self._abort:
                 return self._abort_everything()

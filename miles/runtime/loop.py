@@ -57,10 +57,9 @@ def compute_advantages(groups, cfg: RunConfig, actor: Actor) -> list[torch.Tenso
         T = max(lengths)
         mask = torch.tensor([[1.0] * n_ + [0.0] * (T - n_) for n_ in lengths])
         kl = torch.zeros_like(mask)
-        if getattr(actor, "ref_model", None) is not None and a.kl_coef > 0:
-            old, ref = actor.logprobs(samples), actor.logprobs(samples, actor.ref_model)
-            for i, (o, r) in enumerate(zip(old, ref)):
-                kl[i, : len(o)] = o - r
+        if a.kl_coef > 0 and actor is not None:
+            for i, d in enumerate(actor.reference_kl(samples)):
+                kl[i, : len(d)] = d
         if a.advantage_estimator == "reinforce_plus_plus":
             tok = adv_lib.reinforce_plus_plus(rewards, kl, mask, a.kl_coef, a.gamma)
         else:
@@ -129,11 +128,21 @@ def drop_stale(groups, trainer_version: int, bound: int):
     return kept, len(groups) - len(kept)
 
 
+def fit_to_ranks(groups: list, world: int) -> tuple[list, int]:
+    """Drop whole groups from the end until the samples split evenly over `world` ranks (a
+    dynamic-sampling filter or the staleness bound can leave any count); returns (groups, dropped)."""
+    kept = list(groups)
+    while kept and sum(len(g) for g in kept) % world:
+        kept.pop()
+    return kept, len(groups) - len(kept)
+
+
 def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
     """(trainer, engine): in this process, or on Ray when more than one training rank or rollout
-    engine is asked for (--actor-num-gpus-per-node, --rollout-num-gpus; processes on CPU)."""
-    ranks, engines = cfg.sync.actor_num_gpus_per_node, cfg.sync.rollout_num_gpus or 1
-    r = cfg.rollout
+    engine is asked for (--actor-num-nodes x --actor-num-gpus-per-node, --rollout-num-gpus;
+    processes on CPU), in one placement group (see `miles.runtime.placement`)."""
+    sy, r = cfg.sync, cfg.rollout
+    ranks, engines = sy.actor_num_nodes * sy.actor_num_gpus_per_node, sy.rollout_num_gpus or 1
     if ranks == 1 and engines == 1:
         engine = Engine(
             copy.deepcopy(policy),
@@ -143,15 +152,25 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
             seed=r.rollout_seed,
         )
         return Actor(policy, cfg), engine
-    import ray
-
+    from miles.runtime.placement import create_placement, plan_layout
     from miles.runtime.ray_rollout import RolloutManager
     from miles.runtime.ray_train import RayTrainer
 
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    manager = RolloutManager(cfg.model.model, engines, r.rollout_max_batch_size, max_seq_len, r.rollout_seed)
-    trainer = Actor(policy, cfg) if ranks == 1 else RayTrainer(cfg, policy, ranks)
+    placement = create_placement(plan_layout(ranks, engines, sy.colocate))
+    layout = placement.layout
+    manager = RolloutManager(
+        cfg.model.model,
+        engines,
+        r.rollout_max_batch_size,
+        max_seq_len,
+        r.rollout_seed,
+        actor_options=[placement.options(b) for b in layout.rollout_bundles],
+    )
+    if ranks == 1:  # the driver trains; its bundle stays reserved for it
+        trainer = Actor(policy, cfg)
+    else:
+        trainer = RayTrainer(cfg, policy, ranks, [placement.options(b) for b in layout.train_bundles])
+    manager.placement = placement  # freed with the engines (training ranks die with it)
     manager.update_weights(hf_state_dict(policy).items(), version=0)  # the engines start from the policy
     return trainer, manager
 
@@ -179,6 +198,15 @@ def train(cfg: RunConfig) -> Path:
         policy.config.max_position_embeddings, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1
     )
     actor, engine = build_executor(cfg, policy, tokenizer, max_seq_len)
+    try:
+        return run_loop(cfg, policy, tokenizer, data, rewards, keep, actor, engine)
+    finally:
+        if hasattr(engine, "shutdown"):  # Ray: stop the actors, free the placement group
+            engine.shutdown()
+
+
+def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, keep, actor, engine) -> Path:
+    """Rollout, train, sync, log, evaluate, checkpoint: `cfg.rollout.num_rollout` times."""
     zero_copy = cfg.sync.use_zero_copy_sync
     if zero_copy and not shared_memory_available():
         log.warning(
@@ -239,6 +267,10 @@ def train(cfg: RunConfig) -> Path:
                 groups, trainer_version=rollout_id, bound=cfg.sync.max_staleness
             )
         t1 = time.perf_counter()
+        if cfg.sync.colocate and pool is None:  # training has the devices now: engines free their KV cache
+            step["rollout_memory_released_bytes"] = engine.release_memory()
+        if getattr(actor, "world", 1) > 1:
+            groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, actor.world)
         if groups and not cfg.debug.debug_rollout_only:
             samples = [s for g in groups for s in g]
             step.update(actor.train(samples, compute_advantages(groups, cfg, actor)))

@@ -58,6 +58,12 @@ class EngineActor:
         self.engine.update_weights(self._mapped, version=version)
         return self.engine.weight_version
 
+    def release_memory(self) -> int:
+        return self.engine.release_memory()
+
+    def kv_cache_bytes(self) -> int:
+        return self.engine.kv_cache_bytes
+
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
         return self.engine.weight_version, self.engine.model.state_dict()
 
@@ -78,9 +84,13 @@ class RolloutManager:
         max_seq_len: int = 512,
         seed: int = 0,
         max_retries: int = 3,
+        actor_options: list[dict] | None = None,
     ) -> None:
+        """`actor_options[i]`: Ray options of engine i (its placement-group bundle and share)."""
+        options = actor_options or [{}] * num_engines
         self.actors = [
-            EngineActor.remote(model, max_batch_size, max_seq_len, seed) for _ in range(num_engines)
+            EngineActor.options(**options[i]).remote(model, max_batch_size, max_seq_len, seed)
+            for i in range(num_engines)
         ]
         from miles.models.registry import tokenizer_for
 
@@ -88,6 +98,7 @@ class RolloutManager:
         self.max_retries = max_retries
         self._buckets: list[tuple[BucketMeta, ray.ObjectRef]] = []
         self._handles: bytes | None = None
+        self.placement = None  # set by the executor that reserved the bundles; freed by shutdown()
         self.version = 0
         self.restarts = 0
 
@@ -112,6 +123,18 @@ class RolloutManager:
     @property
     def weight_version(self) -> int:
         return self.version
+
+    def release_memory(self) -> int:
+        """Every engine frees its KV cache (colocated training is about to run); total bytes."""
+        return sum(ray.get([a.release_memory.remote() for a in self.actors]))
+
+    def shutdown(self) -> None:
+        """Stop the engine actors (and, when it owns one, the placement group with everything in it)."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
 
     def states(self) -> list[dict[str, torch.Tensor]]:
         """Every engine's weights (for --check-weight-update-equal)."""

@@ -35,14 +35,31 @@ def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
     return bool(flat[-1] == 0)
 
 
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free port: the rendezvous of the process group, run on rank 0's node."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+@ray.remote(num_cpus=0)
+def _address_on_node() -> tuple[str, int]:
+    return free_address()
+
+
 @ray.remote(num_cpus=0)
 class TrainerActor:
-    def __init__(self, rank: int, world: int, port: int, values: dict, threads: int = 1) -> None:
+    def __init__(
+        self, rank: int, world: int, port: int, values: dict, threads: int = 1, addr: str = "127.0.0.1"
+    ) -> None:
         from miles.models import registry
         from miles.train.actor import Actor
 
         torch.set_num_threads(threads)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         cfg = make_config(values)
         if cfg.train.global_batch_size % world:
@@ -70,6 +87,9 @@ class TrainerActor:
         self.actor.model.load_state_dict(model_state)
         self.actor.load_state_dict(actor_state)
 
+    def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        return self.actor.reference_kl(samples)
+
     def shutdown(self) -> None:
         dist.destroy_process_group()
 
@@ -85,21 +105,34 @@ class RayTrainer:
     load_state_dict); after each step rank 0's weights are copied into `policy`, the driver's
     copy used for weight sync and checkpoints."""
 
-    def __init__(self, cfg, policy: torch.nn.Module, world: int) -> None:
+    def __init__(
+        self, cfg, policy: torch.nn.Module, world: int, actor_options: list[dict] | None = None
+    ) -> None:
+        """`actor_options[r]`: Ray options of rank r (its placement-group bundle and share)."""
         import dataclasses
-        import socket
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         values = {
             f.name: getattr(getattr(cfg, sec.name), f.name)
             for sec in dataclasses.fields(cfg)
             for f in dataclasses.fields(getattr(cfg, sec.name))
         }
-        self.ranks = [TrainerActor.remote(r, world, port, values) for r in range(world)]
+        options = actor_options or [{}] * world
+        # the rendezvous address is found on rank 0's node (several nodes: not the driver's)
+        where = {k: v for k, v in options[0].items() if k == "scheduling_strategy"}
+        addr, port = ray.get(_address_on_node.options(**where).remote())
+        self.ranks = [
+            TrainerActor.options(**options[r]).remote(r, world, port, values, addr=addr) for r in range(world)
+        ]
         self.policy, self.world = policy, world
-        self.ref_model = None
+
+    def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per-token log pi_old - log pi_ref of every sample, each rank computing its shard."""
+        if len(samples) % self.world:
+            raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
+        parts = ray.get(
+            [r.reference_kl.remote(s) for r, s in zip(self.ranks, shard(list(samples), self.world))]
+        )
+        return [t for part in parts for t in part]
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         if len(samples) % self.world:

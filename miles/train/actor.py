@@ -101,6 +101,12 @@ class Actor:
                 out.append(logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone())
         return out
 
+    def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per-token log pi - log pi_ref of each response (the KL penalty REINFORCE++ folds into
+        its rewards); needs the reference model, which a positive --kl-coef creates."""
+        with torch.no_grad():
+            return [o - r for o, r in zip(self.logprobs(samples), self.logprobs(samples, self.ref_model))]
+
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         """One rollout of training; `advantages[i]` is per response token of sample i."""
         cfg = self.cfg

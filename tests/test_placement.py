@@ -1,0 +1,68 @@
+"""Bundle layouts of the Ray executor, and fitting filtered groups to the training ranks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from miles.config import load_config
+from miles.errors import ConfigError, MilesError
+from miles.runtime.loop import fit_to_ranks
+from miles.runtime.placement import COLOCATED_SHARE, plan_layout
+
+
+def test_disaggregated_layout_gives_every_actor_its_own_bundle():
+    layout = plan_layout(train_ranks=2, engines=3, colocate=False)
+    assert layout.num_bundles == 5 and layout.share == 1.0
+    assert layout.train_bundles == [0, 1] and layout.rollout_bundles == [2, 3, 4]
+
+
+def test_colocated_layout_shares_each_training_bundle_with_one_engine():
+    layout = plan_layout(train_ranks=4, engines=4, colocate=True)
+    assert layout.num_bundles == 4 and layout.train_bundles == layout.rollout_bundles == [0, 1, 2, 3]
+    assert 2 * layout.share <= 1.0 and layout.share == COLOCATED_SHARE  # both fit in one device
+    with pytest.raises(MilesError, match="--rollout-num-gpus \\(3\\) must equal"):
+        plan_layout(train_ranks=4, engines=3, colocate=True)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [
+                "--actor-num-nodes",
+                "2",
+                "--global-batch-size",
+                "9",
+                "--rollout-batch-size",
+                "3",
+                "--n-samples-per-prompt",
+                "3",
+            ],
+            "must split evenly over the 2 training ranks",
+        ),
+        (["--colocate", "--async-weight-sync"], "--colocate with --async-weight-sync"),
+        (
+            ["--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1"],
+            "--rollout-num-gpus must be 2",
+        ),
+        (["--actor-num-nodes", "0"], "must be >= 1"),
+    ],
+)
+def test_contradictory_placements_fail_before_any_work(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 8), max_size=12),
+    world=st.integers(1, 4),
+)
+def test_fit_to_ranks_keeps_the_longest_prefix_that_splits_evenly(sizes, world):
+    groups = [[0] * n for n in sizes]
+    kept, dropped = fit_to_ranks(groups, world)
+    assert kept == groups[: len(kept)] and dropped == len(groups) - len(kept)
+    assert sum(map(len, kept)) % world == 0
+    for m in range(len(kept) + 1, len(groups) + 1):  # no longer prefix would have split evenly
+        assert sum(sizes[:m]) % world != 0
