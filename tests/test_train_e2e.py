@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -205,3 +206,12 @@ def test_over_sampling_trains_on_rollout_batch_size_groups():
         engine, data.train.take(6), cfg, RewardRunner("auto", None, False, 30.0, data.task_dataset), 0, None
     )
     assert len(groups) == cfg.rollout.rollout_batch_size == 4
+
+
+def test_a_new_run_in_a_used_directory_keeps_the_old_metrics_apart(tmp_path):
+    train(load_config(small_run_args(tmp_path / "run", 1)))
+    first = read_metrics(tmp_path / "run")
+    train(load_config(small_run_args(tmp_path / "run", 2)))
+    assert [r["rollout"] for r in read_metrics(tmp_path / "run")] == [-1, 0, 1]  # not appended
+    kept = [json.loads(line) for line in (tmp_path / "run" / "metrics.1.jsonl").read_text().splitlines()]
+    assert kept == first

@@ -233,6 +233,8 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         metrics.truncate_after(state["rollout_id"])
         log.info("resumed from %s at rollout %d", ckpt, start)
     last_eval = float("nan")
+    if start == 0:
+        metrics.archive_previous()
     if start == 0 and data.eval_items:
         initial = evaluate(engine, data.eval_items, cfg, rewards)
         metrics.log(-1, initial)

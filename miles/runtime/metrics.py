@@ -41,6 +41,17 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_MODE", "offline")
             self.wb = wandb_lib.init(project=wandb_project, dir=str(run_dir), config=config or {})
 
+    def archive_previous(self) -> Path | None:
+        """A new run in a used directory: keep the old metrics as metrics.<n>.jsonl, start empty."""
+        if not self.path.exists():
+            return None
+        n = 1
+        while (old := self.path.with_name(f"metrics.{n}.jsonl")).exists():
+            n += 1
+        self.path.rename(old)
+        log.warning("%s held an earlier run's metrics; moved them to %s", self.path, old.name)
+        return old
+
     def truncate_after(self, rollout_id: int) -> None:
         """Drop lines past `rollout_id` (a resumed run rewrites them)."""
         if not self.path.exists():

@@ -116,7 +116,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        record = {"step": step, "loss": float(loss), "time": time.perf_counter() - t0}
+        record = {"step": step, "loss": loss.item(), "time": time.perf_counter() - t0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             model.eval()
             acc = greedy_accuracy(model, tokenizer, held, cfg.chat, scorer)
@@ -126,7 +126,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
-        bar.set_postfix(loss=f"{float(loss):.3f}", eval_acc=f"{acc:.2f}")
+        bar.set_postfix(loss=f"{record['loss']:.3f}", eval_acc=f"{acc:.2f}")
         if cfg.target_accuracy is not None and record.get("eval_accuracy", -1) >= cfg.target_accuracy:
             break
     bar.close()
