@@ -187,6 +187,11 @@ class TrainSection:
         64, "samples per forward/backward (gradient accumulation up to the global batch)"
     )
     num_steps_per_rollout: int = option(1, "optimizer steps per rollout")
+    share_prompts: bool = option(
+        True,
+        "compute each group's shared prompt once in the training forward (same result as the full "
+        "forward to fp32 rounding; --no-share-prompts runs every sample in full)",
+    )
     seed: int = option(1234, "training seed (data order, init)")
     aux_loss_coef: float = option(0.0, "MoE load-balancing loss weight", aliases=("moe_aux_loss_coeff",))
     moe_capacity_factor: float | None = option(

@@ -24,6 +24,17 @@ class ModelOutput:
     logits: torch.Tensor  # (B, T, vocab), fp32
     router_logits: list[torch.Tensor]  # per MoE layer, (B, T, E)
     routed_experts: torch.Tensor | None  # (B, T, MoE layers, K) int64, None for dense models
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, KV, T, D), if collected
+
+
+@dataclass
+class Prefix:
+    """Keys/values of shared prompts (per layer, (P, KV, S, D)), which prompt row each batch
+    row continues, and which prompt positions are real (P, S)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    rows: torch.Tensor  # (B,) long
+    mask: torch.Tensor  # (P, S) bool
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +97,8 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,  # (B, 1, T, S) bool, True = may attend
         cache: tuple[KVCache, int, Rows, torch.Tensor, int] | None,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # (B, KV, P, D) keys/values before x
+        kv_out: list | None = None,  # if given, this layer's (k, v) after RoPE is appended
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
@@ -94,6 +107,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)  # (B, H, T, D)
+        if kv_out is not None:
+            kv_out.append((k, v))
+        if prefix_kv is not None:  # a shared prompt computed once for its group (training)
+            k, v = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
         if cache is not None:
             kv_cache, layer, rows, positions, length = cache
             kv_cache.write(layer, rows, positions, k, v)
@@ -249,12 +266,17 @@ class Transformer(nn.Module):
         cache_rows: Rows = slice(None),
         forced_experts: torch.Tensor | None = None,  # (B, T, MoE layers, K); -1 = router chooses
         logits_at: torch.Tensor | None = None,  # (B,) one position per row: logits (B, 1, V) only there
+        prefix: Prefix | None = None,
+        collect_kv: bool = False,
     ) -> ModelOutput:
         """Logits for every position.
 
         Without `cache`: a padded batch (left or right padding) attends causally among its real
         tokens. With `cache`: the tokens are written at `positions` into `cache_rows` and attend to
         every cached position up to their own (pad tokens must take positions after the real ones).
+        With `prefix` (training on groups that share a prompt): row b first attends to the keys
+        and values of prefix row `prefix.rows[b]`, collected by an earlier `collect_kv=True` pass,
+        so a prompt is computed once per group and its gradient sums over the group.
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -267,6 +289,9 @@ class Transformer(nn.Module):
             idx = torch.arange(T, device=device)
             mask = (idx[None, :] <= idx[:, None])[None] & attention_mask[:, None, :]
             mask = mask | torch.eye(T, dtype=torch.bool, device=device)  # pad rows: no empty softmax
+            if prefix is not None:
+                seen = prefix.mask[prefix.rows][:, None, :].expand(B, T, -1)
+                mask = torch.cat([seen, mask], dim=-1)  # (B, T, P + T)
             length = T
         else:
             length = int(positions.max()) + 1
@@ -276,9 +301,13 @@ class Transformer(nn.Module):
 
         h = self.model.embed_tokens(input_ids)
         router_logits, routed = [], []
+        kv: list | None = [] if collect_kv else None
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache, i, cache_rows, positions, length)
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache)
+            before = None
+            if prefix is not None:
+                before = (prefix.kv[i][0][prefix.rows], prefix.kv[i][1][prefix.rows])
+            h = h + layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache, before, kv)
             x = layer.post_attention_layernorm(h)
             if layer.is_moe:
                 forced = None
@@ -294,4 +323,4 @@ class Transformer(nn.Module):
             h = h[torch.arange(B, device=device), logits_at][:, None]
         logits = self.lm_head(self.model.norm(h)).float()
         experts = torch.stack(routed, dim=2) if routed else None
-        return ModelOutput(logits=logits, router_logits=router_logits, routed_experts=experts)
+        return ModelOutput(logits=logits, router_logits=router_logits, routed_experts=experts, kv=kv)

@@ -95,7 +95,7 @@ class Actor:
         mb = self.cfg.train.micro_batch_size
         for i in range(0, len(samples), mb):
             chunk = samples[i : i + mb]
-            batch = pack(chunk, self.cfg.algo.use_r3)
+            batch = pack(chunk, self.cfg.algo.use_r3, self.cfg.train.share_prompts)
             logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
             for b, s in enumerate(chunk):
                 out.append(logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone())
@@ -159,7 +159,7 @@ class Actor:
 
     def _micro_batch(self, samples, advantages, old, ref) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, a = self.cfg, self.cfg.algo
-        batch: PackedBatch = pack(samples, a.use_r3)
+        batch: PackedBatch = pack(samples, a.use_r3, cfg.train.share_prompts)
         logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))

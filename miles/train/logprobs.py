@@ -15,6 +15,7 @@ import torch
 from miles.algo.logprobs import token_logprobs
 from miles.data.sample import Sample
 from miles.models.transformer import Transformer
+from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward
 
 
 @dataclass
@@ -26,9 +27,10 @@ class PackedBatch:
     attention_mask: torch.Tensor  # (B, T-1)
     response_mask: torch.Tensor  # (B, T-1): 1 where the target is a trained response token
     forced_experts: torch.Tensor | None  # (B, T-1, layers, k) recorded routing, -1 = none
+    shared: SharedPrompts | None = None  # set: each shared prompt is computed once (see shared_prompt)
 
 
-def pack(samples: Sequence[Sample], replay_routing: bool = False) -> PackedBatch:
+def pack(samples: Sequence[Sample], replay_routing: bool = False, share_prompts: bool = False) -> PackedBatch:
     T = max(len(s.tokens) for s in samples)
     B = len(samples)
     tokens = torch.zeros(B, T, dtype=torch.long)
@@ -52,14 +54,18 @@ def pack(samples: Sequence[Sample], replay_routing: bool = False) -> PackedBatch
         for b, s in enumerate(samples):
             routed = np.asarray(s.rollout_routed_experts)
             forced[b, : len(routed)] = torch.from_numpy(routed.astype(np.int64))
-    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced)
+    shared = plan_shared_prompts(samples, replay_routing) if share_prompts else None
+    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared)
 
 
 def forward_logprobs(
     model: Transformer, batch: PackedBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(logprobs (B, T-1) of each target, logits, model output) for a packed batch."""
-    out = model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
+    if batch.shared is not None:
+        out = shared_prompt_forward(model, batch.shared)
+    else:
+        out = model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
     t = temperature if temperature > 0 else 1.0
     return token_logprobs(out.logits, batch.targets, temperature=t), out.logits, out
 

@@ -1,0 +1,65 @@
+"""Computing each shared prompt once gives the full forward's outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.rollout import Engine, Request, SamplingParams
+from miles.train.logprobs import forward_logprobs, pack
+from tests.conftest import ARCHS, random_model
+
+
+def group_samples(model, n_prompts: int = 3, n: int = 4, seed: int = 0):
+    """n samples per prompt, prompts and responses of different lengths (EOS ends some early)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 97, (int(k),), generator=gen).tolist() for k in (5, 9, 2)[:n_prompts]]
+    engine = Engine(model, max_batch_size=16, max_seq_len=64, seed=seed)
+    requests = [
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=int(m), seed=i * n + k))
+        for i, p in enumerate(prompts)
+        for k, m in enumerate([1, 3, 6, 8][:n])
+    ]
+    return engine.generate(requests)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("replay", [False, True])
+def test_shared_prompt_forward_equals_the_full_forward(arch, replay):
+    if replay and not arch.endswith("moe"):
+        pytest.skip("routing replay is for MoE models")
+    model = random_model(arch, seed=3)
+    samples = group_samples(model)
+    assert len({len(s.tokens) for s in samples}) > 2  # the padding is really exercised
+    full_batch, shared_batch = pack(samples, replay), pack(samples, replay, share_prompts=True)
+    assert full_batch.shared is None and shared_batch.shared is not None
+    assert shared_batch.shared.prompt_ids.shape[0] == 3  # three distinct prompts, each run once
+
+    results = []
+    for batch in (full_batch, shared_batch):
+        model.zero_grad()
+        logp, logits, out = forward_logprobs(model.train(), batch, temperature=0.8)
+        mask = batch.response_mask
+        loss = -(logp * mask * torch.linspace(-1, 1, mask.numel()).view_as(mask)).sum()
+        if out.router_logits:
+            loss = loss + sum((r.softmax(-1)[..., 0] * batch.attention_mask).sum() for r in out.router_logits)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logp * mask, logits[mask.bool()], out, grads))
+    (lp_a, lg_a, out_a, g_a), (lp_b, lg_b, out_b, g_b) = results
+    assert (lp_a - lp_b).abs().max() < 1e-5
+    assert (lg_a - lg_b).abs().max() < 1e-4
+    real = full_batch.attention_mask.bool()
+    if out_a.routed_experts is not None:
+        assert torch.equal(out_a.routed_experts[real], out_b.routed_experts[real])
+        for ra, rb in zip(out_a.router_logits, out_b.router_logits):
+            assert (ra[real] - rb[real]).abs().max() < 1e-4
+    assert g_a.keys() == g_b.keys()
+    for name in g_a:
+        assert (g_a[name] - g_b[name]).abs().max() < 1e-4 * max(1.0, g_a[name].abs().max()), name
+
+
+def test_no_shared_prompt_means_the_plain_forward():
+    model = random_model("qwen3_moe")
+    samples = group_samples(model, n=1)
+    assert pack(samples, share_prompts=True).shared is None
