@@ -32,8 +32,8 @@ def _chunked(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk: int) -> torc
     flat = logits.reshape(-1, logits.shape[-1])
     extra = tuple(e.reshape(-1) for e in extra)
     outs = []
-    for start in range(0, flat.shape[0], chunk):
-        rows = (flat[start : start + chunk],) + tuple(e[start : start + chunk] for e in extra)
+    # split, not slicing: split's backward is one cat, a slice's is a full-size zero tensor each
+    for rows in zip(flat.split(chunk), *(e.split(chunk) for e in extra)):
         if flat.requires_grad:
             outs.append(checkpoint(fn, *rows, use_reentrant=False))
         else:

@@ -189,11 +189,11 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // K
-        outputs, start = [], 0
-        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
-            if n:
-                outputs.append(self.experts[e](x[token[start : start + n]]))
-            start += n
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        # one gather, then views per expert: the backward is one index_add and one cat, not a
+        # full-size zero tensor per expert as with x[token[slice]]
+        chunks = x.index_select(0, token).split(counts)
+        outputs = [self.experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e]]
         y = torch.cat(outputs) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -306,7 +306,7 @@ class Transformer(nn.Module):
             layer_cache = None if cache is None else (cache, i, cache_rows, positions, length)
             before = None
             if prefix is not None:
-                before = (prefix.kv[i][0][prefix.rows], prefix.kv[i][1][prefix.rows])
+                before = tuple(t.index_select(0, prefix.rows) for t in prefix.kv[i])
             h = h + layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache, before, kv)
             x = layer.post_attention_layernorm(h)
             if layer.is_moe:

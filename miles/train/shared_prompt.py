@@ -110,7 +110,8 @@ def shared_prompt_forward(model: Transformer, plan: SharedPrompts) -> ModelOutpu
 
     def full(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         table = torch.cat([a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:])])
-        return table[plan.gather]
+        # index_select: its backward is an index_add, much faster on CPU than advanced indexing's
+        return table.index_select(0, plan.gather.reshape(-1)).view(*plan.gather.shape, *a.shape[2:])
 
     routed = None
     if first.routed_experts is not None:
