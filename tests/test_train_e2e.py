@@ -148,9 +148,13 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
-def test_async_one_step_off_policy(tmp_path):
+@pytest.mark.parametrize(
+    "sync", [[], ["--use-zero-copy-sync", "--check-weight-update-equal"]], ids=["bucketed", "zero-copy"]
+)
+def test_async_one_step_off_policy(tmp_path, sync):
     """--async-weight-sync: rollout N+1 runs during step N; every sample records its staleness,
-    which never passes --max-staleness, and the overlap really happens."""
+    which never passes --max-staleness, and the overlap really happens. With zero-copy the engine
+    copies from the trainer's memory before the next training step writes it (checked)."""
     from miles.runtime import loop
 
     seen = []
@@ -163,7 +167,7 @@ def test_async_one_step_off_policy(tmp_path):
 
     loop.drop_stale = spy
     try:
-        train(load_config(small_run_args(tmp_path / "async", 5) + ["--async-weight-sync"]))
+        train(load_config(small_run_args(tmp_path / "async", 5) + ["--async-weight-sync", *sync]))
     finally:
         loop.drop_stale = real
     records = read_metrics(tmp_path / "async")
@@ -171,6 +175,8 @@ def test_async_one_step_off_policy(tmp_path):
     assert set(seen) <= {0, 1} and 1 in seen  # one step off-policy, never more
     assert all(r["stale_dropped"] == 0 for r in records if "stale_dropped" in r)
     assert all("pg_loss" in r for r in records if r["rollout"] >= 0)
+    if sync:
+        assert all(r["sync_moved_bytes"] < 64_000 for r in records if "sync_moved_bytes" in r)
 
 
 def test_drop_stale_bounds_staleness():

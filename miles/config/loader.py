@@ -286,10 +286,6 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         raise ConfigError(
             "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
         )
-    if sy.async_weight_sync and sy.use_zero_copy_sync:
-        raise ConfigError(
-            "--async-weight-sync with --use-zero-copy-sync is not available yet (the engine would read weights mid-update)"
-        )
     if sy.rollout_num_gpus_per_engine != 1:
         raise ConfigError("--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not available yet")
     if (
