@@ -8,7 +8,7 @@ own preallocated weights (what the engine's update_weights does). Transports:
 - memcpy: one copy of the whole model (the bound);
 - one-at-a-time: a copy per tensor handed over alone (in process), and over Ray's object store
   one ray.put/ray.get per tensor (the OpenRLHF-style baseline);
-- bucketed: 512 MiB buckets, CRC-checked (and without the CRC), in process and over Ray;
+- bucketed: 512 MiB buckets, checksummed (and without the checksum), in process and over Ray;
 - zero-copy: shared-memory handles (a few hundred bytes per tensor), the receiver maps the memory.
 """
 
@@ -74,7 +74,7 @@ def measure(mb: int, repeats: int, ray_too: bool) -> None:
     results = {
         "memcpy": best(lambda: dst_flat.copy_(src_flat), repeats),
         "one-at-a-time": best(lambda: send_one_at_a_time(named, sink, None), repeats),
-        "bucketed+crc": best(lambda: send_bucketed(named, sink, None, BUCKET, True, staging), repeats),
+        "bucketed+checksum": best(lambda: send_bucketed(named, sink, None, BUCKET, True, staging), repeats),
         "bucketed": best(lambda: send_bucketed(named, sink, None, BUCKET, False, staging), repeats),
     }
     share(named)

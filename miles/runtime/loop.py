@@ -29,7 +29,7 @@ from miles.rollout.rollout import generate_groups, rollout
 from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
 from miles.runtime.metrics import MetricsLogger
 from miles.runtime.setup import build_data, run_dir_for
-from miles.sync.buckets import crc32
+from miles.sync.buckets import checksum
 from miles.sync.transports import (
     BucketBuffer,
     SyncStats,
@@ -93,7 +93,7 @@ def push_weights(
     zero_copy: bool = False,
 ) -> SyncStats:
     """Send the policy's HF-named tensors to the engine: with `zero_copy`, handles to its shared
-    memory; else CRC-checked buckets of at most `bucket_bytes`. With `check_equal`, compare CRCs
+    memory; else checksummed buckets of at most `bucket_bytes`. With `check_equal`, compare checksums
     of engine and trainer weights after."""
     state = hf_state_dict(policy)
     if zero_copy:
@@ -108,7 +108,9 @@ def push_weights(
         stats = SyncStats(len(state), buckets, payload, payload, time.perf_counter() - t0)
     if check_equal:
         engine_states = engine.states() if hasattr(engine, "states") else [engine.model.state_dict()]
-        differ = sorted({n for es in engine_states for n, t in state.items() if crc32(es[n]) != crc32(t)})
+        differ = sorted(
+            {n for es in engine_states for n, t in state.items() if checksum(es[n]) != checksum(t)}
+        )
         if differ:
             raise MilesError(
                 f"--check-weight-update-equal: engine weights differ from the trainer's after sync: {differ[:5]}"

@@ -1,7 +1,7 @@
 """Rollout on Ray: N engine actors behind one manager, with weight sync and fault recovery.
 
 Requests are split across the actors; each actor runs its own continuous-batching `Engine`.
-New weights travel as CRC-checked buckets put once into Ray's object store and fetched by every
+New weights travel as checksummed buckets put once into Ray's object store and fetched by every
 actor. An actor that dies mid-rollout is restarted by Ray (it reloads the base checkpoint), gets
 the latest weights again, and redoes its unfinished requests: the step's samples stay complete.
 Per-request seeds make the redone samples the same as if nothing had happened.

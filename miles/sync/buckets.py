@@ -1,17 +1,18 @@
 """Weight-sync buckets: many HF-named tensors flattened into one byte buffer, with checksums.
 
 A bucket is at most `bucket_bytes` (one tensor larger than that gets a bucket of its own). The
-receiver unpacks views into the buffer (no copy) and checks every tensor's CRC32, so a corrupted
-transfer is caught and the tensors it hit are named.
+receiver unpacks views into the buffer (no copy) and checks every tensor's checksum (xxh3-64:
+~30 GB/s on one core, 4-5x zlib's CRC32, so checking costs little next to the copy), so a
+corrupted transfer is caught and the tensors it hit are named.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from miles.errors import MilesError
 
@@ -27,7 +28,7 @@ class TensorMeta:
     dtype: torch.dtype
     offset: int
     nbytes: int
-    crc32: int
+    checksum: int  # -1: not checked
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,13 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(tensor_bytes(t).cpu().numpy())
+def checksum_bytes(raw: torch.Tensor) -> int:
+    """xxh3-64 of a flat uint8 CPU tensor."""
+    return xxhash.xxh3_64_intdigest(raw.numpy())
+
+
+def checksum(t: torch.Tensor) -> int:
+    return checksum_bytes(tensor_bytes(t).cpu())
 
 
 def plan_buckets(
@@ -83,19 +89,26 @@ def pack(
         raw = tensor_bytes(t)
         flat[offset : offset + raw.numel()] = raw
         metas.append(
-            TensorMeta(name, tuple(t.shape), t.dtype, offset, raw.numel(), crc32(t) if checksums else -1)
+            TensorMeta(
+                name,
+                tuple(t.shape),
+                t.dtype,
+                offset,
+                raw.numel(),
+                checksum_bytes(raw.cpu()) if checksums else -1,
+            )
         )
     return flat, BucketMeta(tuple(metas), total)
 
 
 def unpack(flat: torch.Tensor, meta: BucketMeta, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """Views of each tensor in `flat`; with `verify`, raise naming every tensor whose CRC differs."""
+    """Views of each tensor in `flat`; with `verify`, raise naming every tensor whose checksum differs."""
     if flat.numel() != meta.nbytes:
         raise SyncIntegrityError(f"bucket has {flat.numel()} bytes, expected {meta.nbytes}")
     out, bad = [], []
     for m in meta.tensors:
         raw = flat[m.offset : m.offset + m.nbytes]
-        if verify and m.crc32 >= 0 and zlib.crc32(raw.numpy()) != m.crc32:
+        if verify and m.checksum >= 0 and checksum_bytes(raw) != m.checksum:
             bad.append(m.name)
         out.append((m.name, raw.view(m.dtype).view(m.shape)))
     if bad:

@@ -1,6 +1,6 @@
 """Ways to move HF-named tensors from the trainer to an engine.
 
-- `bucketed`: pack into `bucket_bytes` buffers, unpack (views) on the other side, verify CRCs.
+- `bucketed`: pack into `bucket_bytes` buffers, unpack (views) on the other side, verify checksums.
 - `one_at_a_time`: each tensor copied and applied alone (the slow baseline OpenRLHF-style
   systems use; kept for the benchmark).
 - `shared_memory` (zero-copy, the CPU analogue of CUDA IPC): the trainer's tensors live in shared
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp  # registers the tensor-sharing reductions with ForkingPickler
 
-from miles.sync.buckets import BucketMeta, SyncIntegrityError, pack, plan_buckets, unpack
+from miles.sync.buckets import BucketMeta, SyncIntegrityError, checksum_bytes, pack, plan_buckets, unpack
 
 log = logging.getLogger("miles.sync")
 
@@ -59,7 +58,7 @@ def send_bucketed(
     verify: bool = True,
     staging: BucketBuffer | None = None,
 ) -> SyncStats:
-    """Pack each bucket (into `staging` when given), hand it over, unpack views, check CRCs."""
+    """Pack each bucket (into `staging` when given), hand it over, unpack views, check checksums."""
     stats, t0 = SyncStats(), time.perf_counter()
     for items in plan_buckets(named, bucket_bytes):
         size = sum(t.numel() * t.element_size() + 64 for _, t in items)
@@ -136,7 +135,7 @@ def broadcast_buckets(
     named: list[tuple[str, torch.Tensor]] | None, src: int, bucket_bytes: int, group=None
 ) -> list[tuple[str, torch.Tensor]]:
     """Collective: rank `src` sends `named` in buckets; every rank returns the received tensors.
-    Non-source ranks pass named=None. Receivers check every tensor's CRC; if any arrived corrupted,
+    Non-source ranks pass named=None. Receivers check every tensor's checksum; if any arrived corrupted,
     every rank (the sender too) raises `SyncIntegrityError` naming the tensors and the ranks."""
     rank = dist.get_rank(group)
     plan = plan_buckets(named, bucket_bytes) if rank == src else None
@@ -161,7 +160,7 @@ def broadcast_buckets(
             bad.extend(
                 m.name
                 for m in meta.tensors
-                if zlib.crc32(flat[m.offset : m.offset + m.nbytes].numpy()) != m.crc32
+                if checksum_bytes(flat[m.offset : m.offset + m.nbytes]) != m.checksum
             )
     reports: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, bad, group=group)
