@@ -82,7 +82,10 @@ def test_every_guide_flag_is_listed_in_help():
             ["--actor-num-gpus-per-node", "3"],
             "--global-batch-size 256 must split evenly over the 3 training ranks",
         ),
-        (["--rollout-num-gpus-per-engine", "2"], "tensor-parallel engines) is not available yet"),
+        (
+            ["--rollout-num-gpus-per-engine", "2"],
+            "--rollout-num-gpus (1) must be a multiple of --rollout-num-gpus-per-engine (2)",
+        ),
     ],
 )
 def test_bad_settings_fail_before_any_work(argv, fragment):

@@ -60,6 +60,7 @@ def test_two_rank_engine_matches_the_whole_model(tmp_path):
         a, b = ranks[0][arch], ranks[1][arch]
         for (ta, la, ra), (tb, lb, rb), (tw, lw, rw) in zip(a, b, whole):
             assert ta == tb and la == lb  # the ranks agree exactly: same all-reduced hidden states
+            assert rb is None or (ra == rb).all()
             assert ta == tw, arch  # and generate what the whole model does
             assert max(abs(x - y) for x, y in zip(la, lw)) < 1e-5, arch
             if rw is not None:

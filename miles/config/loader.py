@@ -286,8 +286,11 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         raise ConfigError(
             "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
         )
-    if sy.rollout_num_gpus_per_engine != 1:
-        raise ConfigError("--rollout-num-gpus-per-engine > 1 (tensor-parallel engines) is not available yet")
+    if sy.rollout_num_gpus_per_engine < 1 or (sy.rollout_num_gpus or 1) % sy.rollout_num_gpus_per_engine:
+        raise ConfigError(
+            f"--rollout-num-gpus ({sy.rollout_num_gpus or 1}) must be a multiple of --rollout-num-gpus-per-engine "
+            f"({sy.rollout_num_gpus_per_engine}): each engine takes that many devices"
+        )
     if (
         sy.actor_num_nodes < 1
         or sy.actor_num_gpus_per_node < 1

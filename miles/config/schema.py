@@ -306,7 +306,9 @@ class SyncSection:
         None, "devices for rollout engines (on CPU: engine processes); > 1 runs engines as Ray actors"
     )
     rollout_num_gpus_per_engine: int = option(
-        1, "devices per rollout engine (tensor-parallel engines are not built yet: keep 1)"
+        1,
+        "devices per rollout engine: > 1 splits each engine's model tensor-parallel over that many processes "
+        "(attention heads and MLP/expert inner sizes must divide by it); engines = --rollout-num-gpus / this",
     )
 
 

@@ -96,7 +96,11 @@ def shard_model(model: Transformer, rank: int, world: int, group=None) -> Transf
                 if p is None:
                     continue
                 name = f"{module_name}.{pname}"
-                setattr(module, pname, torch.nn.Parameter(shard(name, full[name], rank, world), requires_grad=False))
+                setattr(
+                    module,
+                    pname,
+                    torch.nn.Parameter(shard(name, full[name], rank, world), requires_grad=False),
+                )
             module.out_features, module.in_features = module.weight.shape
     cfg = copy.copy(model.config)
     cfg.num_attention_heads //= world

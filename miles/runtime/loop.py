@@ -144,8 +144,9 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
     engine is asked for (--actor-num-nodes x --actor-num-gpus-per-node, --rollout-num-gpus;
     processes on CPU), in one placement group (see `miles.runtime.placement`)."""
     sy, r = cfg.sync, cfg.rollout
-    ranks, engines = sy.actor_num_nodes * sy.actor_num_gpus_per_node, sy.rollout_num_gpus or 1
-    if ranks == 1 and engines == 1:
+    ranks, devices = sy.actor_num_nodes * sy.actor_num_gpus_per_node, sy.rollout_num_gpus or 1
+    tp = sy.rollout_num_gpus_per_engine
+    if ranks == 1 and devices == 1:
         engine = Engine(
             copy.deepcopy(policy),
             tokenizer,
@@ -158,15 +159,20 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
     from miles.runtime.ray_rollout import RolloutManager
     from miles.runtime.ray_train import RayTrainer
 
-    placement = create_placement(plan_layout(ranks, engines, sy.colocate))
+    if tp > 1:
+        from miles.models.tensor_parallel import check_divisible
+
+        check_divisible(policy, tp)  # before any actor starts
+    placement = create_placement(plan_layout(ranks, devices, sy.colocate))
     layout = placement.layout
     manager = RolloutManager(
         cfg.model.model,
-        engines,
+        devices // tp,
         r.rollout_max_batch_size,
         max_seq_len,
         r.rollout_seed,
         actor_options=[placement.options(b) for b in layout.rollout_bundles],
+        tp_size=tp,
     )
     if ranks == 1:  # the driver trains; its bundle stays reserved for it
         trainer = Actor(policy, cfg)

@@ -70,6 +70,27 @@ class Placement:
         remove_placement_group(self.group)
 
 
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free port (run on the node of a process group's rank 0)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def rendezvous(options: dict) -> tuple[str, int]:
+    """A `torch.distributed` rendezvous address on the node an actor with `options` will run on
+    (several nodes: not the driver's)."""
+    import ray
+
+    where = {k: v for k, v in options.items() if k == "scheduling_strategy"}
+    return ray.get(ray.remote(num_cpus=0)(free_address).options(**where).remote())
+
+
 def ensure_ray(num_bundles: int) -> None:
     """Start a local Ray if none is running; its logical CPU count fits the bundles (on CPU a
     bundle is a process, not a core, so 2 ranks + 2 engines run on a 2-core machine)."""

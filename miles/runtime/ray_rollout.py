@@ -29,14 +29,39 @@ class EngineActor:
     """One rollout engine in its own process."""
 
     def __init__(
-        self, model: str, max_batch_size: int, max_seq_len: int, seed: int, threads: int = 1
+        self,
+        model: str,
+        max_batch_size: int,
+        max_seq_len: int,
+        seed: int,
+        threads: int = 1,
+        tp: tuple[int, int, str, int] | None = None,
     ) -> None:
+        """`tp` = (rank, size, addr, port): this actor is one rank of a tensor-parallel engine."""
         from miles.models import registry
         from miles.rollout.engine import Engine
 
         torch.set_num_threads(threads)
         policy, tokenizer = registry.load(model)
+        self.tp_rank, self.tp_size = (tp[0], tp[1]) if tp else (0, 1)
+        if tp:
+            import torch.distributed as dist
+
+            from miles.models.tensor_parallel import shard_model
+
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{tp[2]}:{tp[3]}", rank=self.tp_rank, world_size=self.tp_size
+            )
+            shard_model(policy, self.tp_rank, self.tp_size)
         self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
+
+    def _mine(self, named):
+        """The full HF tensors of a sync, cut to this rank's part for a tensor-parallel engine."""
+        if self.tp_size == 1:
+            return named
+        from miles.models.tensor_parallel import shard_named
+
+        return shard_named(named, self.tp_rank, self.tp_size)
 
     def generate(self, requests: list[Request]) -> list[Sample]:
         return self.engine.generate(requests)
@@ -44,7 +69,7 @@ class EngineActor:
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
         for meta, ref in buckets:
             flat = ref if isinstance(ref, torch.Tensor) else ray.get(ref)
-            self.engine.update_weights(unpack(flat, meta), version=version)
+            self.engine.update_weights(self._mine(unpack(flat, meta)), version=version)
         return self.engine.weight_version
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> int:
@@ -55,7 +80,7 @@ class EngineActor:
 
         if blob != getattr(self, "_mapped_blob", None):
             self._mapped, self._mapped_blob = open_handles(blob), blob
-        self.engine.update_weights(self._mapped, version=version)
+        self.engine.update_weights(self._mine(self._mapped), version=version)
         return self.engine.weight_version
 
     def release_memory(self) -> int:
@@ -74,7 +99,8 @@ class EngineActor:
 
 
 class RolloutManager:
-    """Spreads requests over `num_engines` actors; recovers from an actor's death."""
+    """Spreads requests over `num_engines` engines; recovers from an actor's death. An engine is
+    one actor, or `tp_size` actors holding a tensor-parallel split of the model."""
 
     def __init__(
         self,
@@ -85,13 +111,32 @@ class RolloutManager:
         seed: int = 0,
         max_retries: int = 3,
         actor_options: list[dict] | None = None,
+        tp_size: int = 1,
     ) -> None:
-        """`actor_options[i]`: Ray options of engine i (its placement-group bundle and share)."""
-        options = actor_options or [{}] * num_engines
-        self.actors = [
-            EngineActor.options(**options[i]).remote(model, max_batch_size, max_seq_len, seed)
-            for i in range(num_engines)
-        ]
+        """`actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
+        engine j is actors j*tp_size .. (j+1)*tp_size - 1."""
+        from miles.runtime.placement import rendezvous
+
+        options = actor_options or [{}] * (num_engines * tp_size)
+        self.tp_size = tp_size
+        self.groups: list[list] = []
+        for j in range(num_engines):
+            members = options[j * tp_size : (j + 1) * tp_size]
+            if tp_size == 1:
+                self.groups.append(
+                    [EngineActor.options(**members[0]).remote(model, max_batch_size, max_seq_len, seed)]
+                )
+                continue
+            addr, port = rendezvous(members[0])
+            self.groups.append(
+                [  # a restarted member could not rejoin its process group: no restarts here
+                    EngineActor.options(**opts, max_restarts=0).remote(
+                        model, max_batch_size, max_seq_len, seed, tp=(r, tp_size, addr, port)
+                    )
+                    for r, opts in enumerate(members)
+                ]
+            )
+        self.actors = [a for g in self.groups for a in g]
         from miles.models.registry import tokenizer_for
 
         self.tokenizer = tokenizer_for(model)  # prompts are encoded here, generated there
@@ -137,23 +182,28 @@ class RolloutManager:
             self.placement = None
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """Every engine's weights (for --check-weight-update-equal)."""
-        return [state for _, state in ray.get([a.state.remote() for a in self.actors])]
+        """Every engine's weights, whole (for --check-weight-update-equal)."""
+        from miles.models.tensor_parallel import unshard
+
+        out = []
+        for group in self.groups:
+            parts = [state for _, state in ray.get([a.state.remote() for a in group])]
+            out.append({name: unshard(name, [p[name] for p in parts]) for name in parts[0]})
+        return out
 
     def _recover(self, index: int) -> None:
-        """Wait for Ray to restart actor `index`, then give it the current weights."""
+        """Wait for Ray to restart engine `index` (one actor), then give it the current weights."""
+        actor = self.groups[index][0]
         self.restarts += 1
         deadline = time.time() + 120
         while True:
             try:
                 if self._handles is not None:
-                    ray.get(
-                        self.actors[index].update_weights_from_handles.remote(self._handles, self.version)
-                    )
+                    ray.get(actor.update_weights_from_handles.remote(self._handles, self.version))
                 elif self._buckets:
-                    ray.get(self.actors[index].update_weights.remote(self._buckets, self.version))
+                    ray.get(actor.update_weights.remote(self._buckets, self.version))
                 else:
-                    ray.get(self.actors[index].pid.remote())
+                    ray.get(actor.pid.remote())
                 return
             except RayActorError:
                 if time.time() > deadline:
@@ -162,20 +212,27 @@ class RolloutManager:
 
     def generate(self, requests: Sequence[Request]) -> list[Sample]:
         """All samples, in request order, whatever happens to the actors on the way."""
-        n = len(self.actors)
+        n = len(self.groups)
         chunks = [list(range(i, len(requests), n)) for i in range(n)]
-        pending = {
-            i: self.actors[i].generate.remote([requests[j] for j in chunk])
-            for i, chunk in enumerate(chunks)
-            if chunk
-        }
+
+        def submit(i: int) -> list:  # every rank of a tensor-parallel engine runs the same requests
+            return [a.generate.remote([requests[j] for j in chunks[i]]) for a in self.groups[i]]
+
+        pending = {i: submit(i) for i, chunk in enumerate(chunks) if chunk}
         out: list[Sample | None] = [None] * len(requests)
         attempts = dict.fromkeys(pending, 0)
         while pending:
-            i, ref = next(iter(pending.items()))
+            i, refs = next(iter(pending.items()))
             try:
-                samples = ray.get(ref)
-            except RayActorError:
+                samples = ray.get(refs)[0]
+            except RayActorError as e:
+                if self.tp_size > 1:
+                    from miles.errors import MilesError
+
+                    raise MilesError(
+                        f"a rank of tensor-parallel rollout engine {i} died; such engines are not restarted yet. "
+                        "Resume from the last checkpoint with --load"
+                    ) from e
                 attempts[i] += 1
                 if attempts[i] > self.max_retries:
                     raise
@@ -183,7 +240,7 @@ class RolloutManager:
                     "rollout engine %d died; restarting it and redoing its %d requests", i, len(chunks[i])
                 )
                 self._recover(i)
-                pending[i] = self.actors[i].generate.remote([requests[j] for j in chunks[i]])
+                pending[i] = submit(i)
                 continue
             for j, s in zip(chunks[i], samples):
                 out[j] = s

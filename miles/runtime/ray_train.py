@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 from miles.config import make_config
 from miles.data.sample import Sample
 from miles.errors import MilesError
+from miles.runtime.placement import rendezvous
 
 
 def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
@@ -33,21 +34,6 @@ def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
         p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
         offset += g.numel()
     return bool(flat[-1] == 0)
-
-
-def free_address() -> tuple[str, int]:
-    """This node's IP and a free port: the rendezvous of the process group, run on rank 0's node."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
-@ray.remote(num_cpus=0)
-def _address_on_node() -> tuple[str, int]:
-    return free_address()
 
 
 @ray.remote(num_cpus=0)
@@ -117,9 +103,7 @@ class RayTrainer:
             for f in dataclasses.fields(getattr(cfg, sec.name))
         }
         options = actor_options or [{}] * world
-        # the rendezvous address is found on rank 0's node (several nodes: not the driver's)
-        where = {k: v for k, v in options[0].items() if k == "scheduling_strategy"}
-        addr, port = ray.get(_address_on_node.options(**where).remote())
+        addr, port = rendezvous(options[0])  # on rank 0's node
         self.ranks = [
             TrainerActor.options(**options[r]).remote(r, world, port, values, addr=addr) for r in range(world)
         ]
