@@ -33,6 +33,25 @@ def ray_cluster():
     ray.shutdown()
 
 
+SAME_RUN_KEYS = (
+    "reward_mean",
+    "eval_accuracy",
+    "pg_loss",
+    "kl_loss",
+    "grad_norm",
+    "train_rollout_logprob_abs_diff",
+)
+
+
+def assert_same_run(reference: list[dict], other: list[dict], rel: float = 1e-4) -> None:
+    """Two runs' metrics: the same rollouts, and every shared loss/reward key equal within `rel`."""
+    assert [r["rollout"] for r in other] == [r["rollout"] for r in reference]
+    for a, b in zip(reference, other):
+        for key in SAME_RUN_KEYS:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (a["rollout"], key)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,11 +122,7 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
     ]
     train(load_config(args))
     local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
-    assert [r["rollout"] for r in distributed] == [r["rollout"] for r in local]
-    for a, b in zip(local, distributed):
-        for key in ("reward_mean", "eval_accuracy", "pg_loss", "grad_norm", "train_rollout_logprob_abs_diff"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["rollout"], key)
+    assert_same_run(local, distributed)
     assert (tmp_path / "ckpt" / "latest").read_text() == "2"
 
 
@@ -129,10 +144,7 @@ def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):
             )
         )
         got = read_metrics(tmp_path / name)
-        for a, b in zip(reference, got):
-            for key in ("reward_mean", "pg_loss", "grad_norm"):
-                if key in a:
-                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["rollout"], key)
+        assert_same_run(reference[: len(got)], got)
         moved = [r["sync_moved_bytes"] for r in got if "sync_moved_bytes" in r]
         assert moved and all(m < 64_000 for m in moved)  # handles: the 1.8M-parameter model is 7 MB
 
@@ -241,11 +253,7 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, a
     train(load_config(small_run_args(tmp_path / "local", 3) + algo))
     train(load_config(small_run_args(tmp_path / "ray", 3) + layout + algo + ["--check-weight-update-equal"]))
     local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
-    assert [r["rollout"] for r in distributed] == [r["rollout"] for r in local]
-    for a, b in zip(local, distributed):
-        for key in ("reward_mean", "eval_accuracy", "pg_loss", "kl_loss", "grad_norm"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["rollout"], key)
+    assert_same_run(local, distributed)
     trained = [r for r in distributed if r["rollout"] >= 0]
     if "--colocate" in layout:
         assert all(r["rollout_memory_released_bytes"] > 0 for r in trained)
@@ -281,8 +289,4 @@ def test_tensor_parallel_engine_in_miles_train(ray_cluster, tmp_path):
     tp = ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--check-weight-update-equal"]
     train(load_config(small_run_args(tmp_path / "tp", 3) + tp))
     local, split = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "tp")
-    assert [r["rollout"] for r in split] == [r["rollout"] for r in local]
-    for a, b in zip(local, split):
-        for key in ("reward_mean", "eval_accuracy", "pg_loss", "grad_norm", "train_rollout_logprob_abs_diff"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (a["rollout"], key)
+    assert_same_run(local, split, rel=1e-3)
