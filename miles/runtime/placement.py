@@ -114,6 +114,13 @@ def create_placement(layout: Layout, timeout_s: float = 60.0) -> Placement:
 
     ensure_ray(layout.num_bundles)
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if use_gpu:
+        import logging
+
+        logging.getLogger("miles").warning(
+            "the Ray cluster has GPUs: miles reserves one per bundle, but its models still compute on CPU in "
+            "this version (GPU placement of models, NCCL and CUDA IPC are not built yet)"
+        )
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(layout.num_bundles)], strategy="PACK")
     try:
