@@ -53,6 +53,8 @@ def best(fn, repeats: int) -> float:
 def ray_transports(named, repeats):
     import ray
 
+    from miles.runtime.ray_rollout import from_object_store
+
     def one_at_a_time():
         sink = {}
         for name, t in named:
@@ -61,7 +63,7 @@ def ray_transports(named, repeats):
     def bucketed():
         for items in plan_buckets(named, BUCKET):
             flat, meta = pack(items, checksums=False)
-            unpack(ray.get(ray.put(flat)), meta, verify=False)
+            unpack(from_object_store(ray.get(ray.put(flat.numpy()))), meta, verify=False)  # as RolloutManager
 
     return {"ray one-at-a-time": best(one_at_a_time, repeats), "ray bucketed": best(bucketed, repeats)}
 

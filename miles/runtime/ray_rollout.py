@@ -24,6 +24,16 @@ from miles.sync.buckets import BucketMeta, pack, plan_buckets, unpack
 log = logging.getLogger("miles.ray")
 
 
+def from_object_store(array) -> torch.Tensor:
+    """A uint8 bucket fetched from Ray's object store: numpy arrays come back as read-only views
+    of the shared store (no copy, unlike a pickled tensor: ~3x faster end to end); we only read it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": it is never written
+        return torch.from_numpy(array)
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)
 class EngineActor:
     """One rollout engine in its own process."""
@@ -68,7 +78,7 @@ class EngineActor:
 
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
         for meta, ref in buckets:
-            flat = ref if isinstance(ref, torch.Tensor) else ray.get(ref)
+            flat = ref if isinstance(ref, torch.Tensor) else from_object_store(ray.get(ref))
             self.engine.update_weights(self._mine(unpack(flat, meta)), version=version)
         return self.engine.weight_version
 
@@ -155,7 +165,7 @@ class RolloutManager:
         buckets = []
         for items in plan_buckets(named, bucket_bytes):
             flat, meta = pack(items)
-            buckets.append((meta, ray.put(flat)))
+            buckets.append((meta, ray.put(flat.numpy())))  # numpy: fetched zero-copy from the store
         self._buckets, self._handles, self.version = buckets, None, version
         ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
         return len(buckets)
