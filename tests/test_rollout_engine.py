@@ -347,3 +347,27 @@ def test_paused_holds_decoding_across_a_multi_part_update():
     stepper.join(timeout=30)
     assert progressed == [0] and refills == [1]
     assert engine.weight_version == 1
+
+
+def test_release_memory_frees_the_kv_cache_and_changes_no_output():
+    """--colocate: between rollouts the engine gives its KV cache back; the next rollout
+    allocates it again and generates exactly what an engine that kept it generates."""
+    model = peaked("qwen3_moe", seed=3)
+    reqs = [
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=6, seed=i))
+        for i, p in enumerate(prompts(5))
+    ]
+    kept, released = (
+        Engine(model, max_batch_size=4, max_seq_len=64),
+        Engine(model, max_batch_size=4, max_seq_len=64),
+    )
+    size = released.kv_cache_bytes
+    assert size == 2 * 2 * 4 * 2 * 64 * 16 * 4  # K and V x layers x slots x kv heads x len x head dim x fp32
+    assert released.release_memory() == size and released.kv_cache_bytes == 0
+    assert released.release_memory() == 0  # nothing left to free
+    first, again = kept.generate(reqs), released.generate(reqs)
+    assert [s.tokens for s in first] == [s.tokens for s in again]
+    assert released.kv_cache_bytes == size
+    released.add_request(Request(prompts(1)[0], SamplingParams(max_new_tokens=4)))
+    released.step()
+    assert released.release_memory() == 0 and released.kv_cache_bytes == size  # busy: kept
