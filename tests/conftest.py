@@ -51,3 +51,14 @@ def random_model(model_type: str, seed: int = 0, **overrides) -> Transformer:
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray for one test module; 4 logical CPUs, since on CPU a bundle is a process, not
+    a core (2 ranks + 2 engines fit a 2-core machine)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import ray
 import torch
 
@@ -14,15 +13,6 @@ from miles.models import save_model
 from miles.rollout import Engine, Request, SamplingParams
 from miles.runtime.ray_rollout import RolloutManager
 from tests.conftest import random_model
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
-    )  # logical: a bundle is a process
-    yield
-    ray.shutdown()
 
 
 def requests_for(n: int, new_tokens: int) -> list[Request]:

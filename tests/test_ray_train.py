@@ -23,16 +23,6 @@ from miles.runtime.setup import build_data
 from miles.train.actor import Actor
 from tests.test_train_e2e import DEFAULT_YAML
 
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
-    )  # logical: a bundle is a process
-    yield
-    ray.shutdown()
-
-
 SAME_RUN_KEYS = (
     "reward_mean",
     "eval_accuracy",
