@@ -25,10 +25,13 @@ log = logging.getLogger("miles.ray")
 
 
 def from_object_store(array) -> torch.Tensor:
-    """A uint8 bucket fetched from Ray's object store: numpy arrays come back as read-only views
-    of the shared store (no copy, unlike a pickled tensor: ~3x faster end to end); we only read it."""
+    """A tensor from what Ray's object store gave back: numpy arrays come back as read-only views
+    of the shared store (no copy, unlike a pickled tensor: ~3x faster end to end); we only read
+    them. A tensor (dtypes numpy lacks, e.g. bfloat16, travel pickled) passes through."""
     import warnings
 
+    if isinstance(array, torch.Tensor):
+        return array
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable array": it is never written
         return torch.from_numpy(array)
