@@ -66,3 +66,19 @@ def test_fit_to_ranks_keeps_the_longest_prefix_that_splits_evenly(sizes, world):
     assert sum(map(len, kept)) % world == 0
     for m in range(len(kept) + 1, len(groups) + 1):  # no longer prefix would have split evenly
         assert sum(sizes[:m]) % world != 0
+
+
+def test_a_cluster_too_small_is_named_in_the_error():
+    import ray
+
+    from miles.runtime.placement import create_placement
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        with pytest.raises(MilesError, match=r"could not reserve 4 x \{'CPU': 1\}.*'CPU': 1\.0.*--colocate"):
+            create_placement(plan_layout(2, 2, colocate=False), timeout_s=2)
+        assert ray.util.placement_group_table() and all(
+            pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+        )  # nothing left reserved
+    finally:
+        ray.shutdown()
