@@ -132,3 +132,9 @@ def test_cli_reports_config_errors_in_one_line(capsys):
 
 def test_every_field_has_help():
     assert all(info.meta["help"] for info in FIELDS.values())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_refused():
+    with pytest.raises(ConfigError, match="--device cuda: torch sees no CUDA device"):
+        load_config(["--device", "cuda"])

@@ -213,6 +213,12 @@ def make_config(values: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
     for info in FIELDS.values():
         value = getattr(getattr(cfg, info.section), info.name)
@@ -312,6 +318,10 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         raise ConfigError(
             f"--colocate runs one engine on each training device: --rollout-num-gpus must be {world} "
             "(--actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if cfg.model.device == "cuda" and not _cuda_visible():
+        raise ConfigError(
+            "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device cpu"
         )
     if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
         cfg.logging.log_level = "DEBUG"

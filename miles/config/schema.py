@@ -30,6 +30,12 @@ class ModelSection:
         "checkpoint directory, .gguf file, or tiny / tiny-random / smollm2",
         aliases=("hf_checkpoint",),
     )
+    device: str = option(
+        "cpu",
+        "where models compute: cpu, cuda (each Ray actor its own GPU; NCCL between training ranks) or auto "
+        "(cuda when visible). The cuda path is written but has not been run on a GPU yet",
+        choices=("cpu", "cuda", "auto"),
+    )
 
 
 @dataclass

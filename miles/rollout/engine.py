@@ -64,6 +64,7 @@ class Engine:
         admit_batch: int | None = None,
     ) -> None:
         self.model = model.eval()
+        self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
         self.slots = max_batch_size
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
@@ -258,8 +259,15 @@ class Engine:
         positions = torch.arange(T).expand(len(unique), T)
         rows = torch.tensor([s.slot for s in owners])
         last = torch.tensor([len(x) - 1 for x in unique])
+        dev = self.device
         with torch.no_grad():
-            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=rows, logits_at=last)
+            out = self.model(
+                ids.to(dev),
+                positions=positions.to(dev),
+                cache=self.cache,
+                cache_rows=rows.to(dev),
+                logits_at=last.to(dev),
+            )
         index = torch.tensor([unique[seq] for seq in seqs])
         copies = [
             (states[b].slot, owners[index[b]].slot, len(seqs[b]))
@@ -270,10 +278,10 @@ class Engine:
             for buf in self.cache.keys + self.cache.values:
                 buf[dst, :, :n] = buf[src, :, :n]
         if self.is_moe:
-            routed = out.routed_experts.to(torch.int32).numpy()
+            routed = out.routed_experts.to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed = [routed[index[b], : len(seqs[b])]]
-        return out.logits[index, 0]
+        return out.logits[index.to(dev), 0]
 
     def _decode(self) -> list[Sample]:
         """One token for every running request, over the slot range [0, highest busy slot].
@@ -288,10 +296,16 @@ class Engine:
         busy = torch.tensor([s.slot for s in states])
         ids[busy, 0] = torch.tensor([s.response[-1] for s in states])
         positions[busy, 0] = torch.tensor([s.length - 1 for s in states])
+        busy = busy.to(self.device)
         with torch.no_grad():
-            out = self.model(ids, positions=positions, cache=self.cache, cache_rows=slice(0, span))
+            out = self.model(
+                ids.to(self.device),
+                positions=positions.to(self.device),
+                cache=self.cache,
+                cache_rows=slice(0, span),
+            )
         if self.is_moe:
-            routed = out.routed_experts[busy, 0].to(torch.int32).numpy()
+            routed = out.routed_experts[busy, 0].to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed.append(routed[b : b + 1])
         return self._emit(states, out.logits[busy, -1])
@@ -301,9 +315,9 @@ class Engine:
         params = [s.request.params for s in states]
         tokens, logprobs = sample_tokens(
             logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
             [s.generator for s in states],
         )
         finished = []

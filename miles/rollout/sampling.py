@@ -75,9 +75,10 @@ def sample_tokens(
         restricted = scaled
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):  # the sort costs ~25% at 49k vocab
             restricted = allowed_logits(scaled, top_k, top_p)
-        noise = torch.stack(
-            [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators]
-        ).clamp_(min=1e-20)
+        # drawn on CPU by each request's own generator: the same seed samples the same token on
+        # any device, and no batch-mate changes it
+        noise = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators])
+        noise = noise.to(logits.device).clamp_(min=1e-20)
         gumbel = -torch.log(-torch.log(noise))
         sampled = (restricted + gumbel).argmax(-1)
         tokens = torch.where(greedy, logits.argmax(-1), sampled)

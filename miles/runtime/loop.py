@@ -28,7 +28,7 @@ from miles.rollout.engine import Engine
 from miles.rollout.rollout import generate_groups, rollout
 from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
 from miles.runtime.metrics import MetricsLogger
-from miles.runtime.setup import build_data, run_dir_for
+from miles.runtime.setup import build_data, resolve_device, run_dir_for
 from miles.sync.buckets import checksum
 from miles.sync.transports import (
     BucketBuffer,
@@ -146,7 +146,8 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
     sy, r = cfg.sync, cfg.rollout
     ranks, devices = sy.actor_num_nodes * sy.actor_num_gpus_per_node, sy.rollout_num_gpus or 1
     tp = sy.rollout_num_gpus_per_engine
-    if ranks == 1 and devices == 1:
+    if ranks == 1 and devices == 1:  # one process: trainer and engine share its device
+        policy.to(resolve_device(cfg.model.device))
         engine = Engine(
             copy.deepcopy(policy),
             tokenizer,
@@ -163,7 +164,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
         from miles.models.tensor_parallel import check_divisible
 
         check_divisible(policy, tp)  # before any actor starts
-    placement = create_placement(plan_layout(ranks, devices, sy.colocate))
+    placement = create_placement(plan_layout(ranks, devices, sy.colocate), cfg.model.device)
     layout = placement.layout
     manager = RolloutManager(
         cfg.model.model,
@@ -173,9 +174,10 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
         r.rollout_seed,
         actor_options=[placement.options(b) for b in layout.rollout_bundles],
         tp_size=tp,
+        device=cfg.model.device,
     )
-    if ranks == 1:  # the driver trains; its bundle stays reserved for it
-        trainer = Actor(policy, cfg)
+    if ranks == 1:  # the driver trains (on the device it sees); its bundle stays reserved for it
+        trainer = Actor(policy.to(resolve_device(cfg.model.device)), cfg)
     else:
         trainer = RayTrainer(cfg, policy, ranks, [placement.options(b) for b in layout.train_bundles])
     manager.placement = placement  # freed with the engines (training ranks die with it)

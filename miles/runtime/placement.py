@@ -107,19 +107,23 @@ def ensure_ray(num_bundles: int) -> None:
         )
 
 
-def create_placement(layout: Layout, timeout_s: float = 60.0) -> Placement:
-    """Reserve the bundles (PACK: as few nodes as possible) or fail naming what is missing."""
+def create_placement(layout: Layout, device: str = "cpu", timeout_s: float = 60.0) -> Placement:
+    """Reserve the bundles (PACK: as few nodes as possible) or fail naming what is missing.
+    Bundles hold a GPU each when `device` (--device) is cuda, or auto on a cluster with GPUs."""
+    import logging
+
     import ray
     from ray.util.placement_group import placement_group
 
     ensure_ray(layout.num_bundles)
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    if use_gpu:
-        import logging
-
+    has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if device == "cuda" and not has_gpu:
+        raise MilesError("--device cuda: the Ray cluster has no GPUs; use --device cpu or auto")
+    use_gpu = has_gpu and device in ("cuda", "auto")
+    if has_gpu and not use_gpu:
         logging.getLogger("miles").warning(
-            "the Ray cluster has GPUs: miles reserves one per bundle, but its models still compute on CPU in "
-            "this version (GPU placement of models, NCCL and CUDA IPC are not built yet)"
+            "the Ray cluster has GPUs but --device is cpu: models compute on CPU; pass --device cuda (or auto) "
+            "to use them (the GPU path has not been run on a GPU yet)"
         )
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(layout.num_bundles)], strategy="PACK")

@@ -49,12 +49,16 @@ class EngineActor:
         seed: int,
         threads: int = 1,
         tp: tuple[int, int, str, int] | None = None,
+        device: str = "cpu",
     ) -> None:
-        """`tp` = (rank, size, addr, port): this actor is one rank of a tensor-parallel engine."""
+        """`tp` = (rank, size, addr, port): this actor is one rank of a tensor-parallel engine.
+        `device`: --device (cuda: the GPU Ray gave this actor)."""
         from miles.models import registry
         from miles.rollout.engine import Engine
+        from miles.runtime.setup import resolve_device
 
         torch.set_num_threads(threads)
+        dev = resolve_device(device)
         policy, tokenizer = registry.load(model)
         self.tp_rank, self.tp_size = (tp[0], tp[1]) if tp else (0, 1)
         if tp:
@@ -63,9 +67,13 @@ class EngineActor:
             from miles.models.tensor_parallel import shard_model
 
             dist.init_process_group(
-                "gloo", init_method=f"tcp://{tp[2]}:{tp[3]}", rank=self.tp_rank, world_size=self.tp_size
+                "nccl" if dev.type == "cuda" else "gloo",
+                init_method=f"tcp://{tp[2]}:{tp[3]}",
+                rank=self.tp_rank,
+                world_size=self.tp_size,
             )
             shard_model(policy, self.tp_rank, self.tp_size)
+        policy.to(dev)
         self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
 
     def _mine(self, named):
@@ -103,7 +111,7 @@ class EngineActor:
         return self.engine.kv_cache_bytes
 
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
-        return self.engine.weight_version, self.engine.model.state_dict()
+        return self.engine.weight_version, {k: v.cpu() for k, v in self.engine.model.state_dict().items()}
 
     def pid(self) -> int:
         import os
@@ -125,6 +133,7 @@ class RolloutManager:
         max_retries: int = 3,
         actor_options: list[dict] | None = None,
         tp_size: int = 1,
+        device: str = "cpu",
     ) -> None:
         """`actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
         engine j is actors j*tp_size .. (j+1)*tp_size - 1."""
@@ -137,14 +146,18 @@ class RolloutManager:
             members = options[j * tp_size : (j + 1) * tp_size]
             if tp_size == 1:
                 self.groups.append(
-                    [EngineActor.options(**members[0]).remote(model, max_batch_size, max_seq_len, seed)]
+                    [
+                        EngineActor.options(**members[0]).remote(
+                            model, max_batch_size, max_seq_len, seed, device=device
+                        )
+                    ]
                 )
                 continue
             addr, port = rendezvous(members[0])
             self.groups.append(
                 [  # a restarted member could not rejoin its process group: no restarts here
                     EngineActor.options(**opts, max_restarts=0).remote(
-                        model, max_batch_size, max_seq_len, seed, tp=(r, tp_size, addr, port)
+                        model, max_batch_size, max_seq_len, seed, tp=(r, tp_size, addr, port), device=device
                     )
                     for r, opts in enumerate(members)
                 ]

@@ -27,7 +27,8 @@ def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
     """Average gradients over the ranks in place; True only if every rank's loss was finite."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([0.0 if finite else 1.0])])
+    flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [flag])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
     offset = 0
@@ -43,12 +44,14 @@ class TrainerActor:
         self, rank: int, world: int, port: int, values: dict, threads: int = 1, addr: str = "127.0.0.1"
     ) -> None:
         from miles.models import registry
+        from miles.runtime.setup import resolve_device
         from miles.train.actor import Actor
 
         torch.set_num_threads(threads)
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
         cfg = make_config(values)
+        device = resolve_device(cfg.model.device)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
         if cfg.train.global_batch_size % world:
             raise ValueError(
                 f"--global-batch-size {cfg.train.global_batch_size} must split over {world} training ranks"
@@ -56,7 +59,7 @@ class TrainerActor:
         cfg.train.global_batch_size //= world  # this rank's share of each optimizer step
         cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, cfg.train.global_batch_size)
         torch.manual_seed(cfg.train.seed)
-        policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed)
+        policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
         self.actor = Actor(policy, cfg)
         self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
         self.rank = rank
@@ -70,10 +73,10 @@ class TrainerActor:
         state = self.actor.model.state_dict()
         if as_numpy:
             return {
-                k: v.detach().numpy().copy() if v.dtype != torch.bfloat16 else v.detach().clone()
+                k: v.detach().cpu().numpy().copy() if v.dtype != torch.bfloat16 else v.detach().cpu()
                 for k, v in state.items()
             }
-        return {k: v.detach().clone() for k, v in state.items()}
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def actor_state(self) -> dict:
         return self.actor.state_dict()

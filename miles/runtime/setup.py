@@ -52,6 +52,16 @@ def build_data(cfg: RunConfig) -> RunData:
     return RunData(PromptStream(items, cfg.train.seed), eval_items, task_dataset, longest + 64)
 
 
+def resolve_device(name: str):
+    """`--device` as a torch device: auto means cuda when this process sees a GPU (a Ray actor
+    sees the GPU its bundle gave it)."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
 def run_dir_for(cfg: RunConfig) -> Path:
     path = Path(cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     path.mkdir(parents=True, exist_ok=True)

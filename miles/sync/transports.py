@@ -119,12 +119,17 @@ def send_shared(named: list[tuple[str, torch.Tensor]], receiver, version: int | 
     """Pass handles; the receiver maps the memory and copies it into its own weights (a remote
     receiver with `update_weights_from_handles` opens them in its own processes)."""
     t0 = time.perf_counter()
+    payload = sum(t.numel() * t.element_size() for _, t in named)
+    if not hasattr(receiver, "update_weights_from_handles") and any(t.is_cuda for _, t in named):
+        # same process on a GPU: CUDA cannot open its own IPC handles; the tensors themselves are
+        # the zero-copy view
+        receiver.update_weights(list(named), version=version)
+        return SyncStats(len(named), 1, payload, 0, time.perf_counter() - t0)
     blob = handles(named)
     if hasattr(receiver, "update_weights_from_handles"):
         receiver.update_weights_from_handles(blob, version)
     else:
         receiver.update_weights(open_handles(blob), version=version)
-    payload = sum(t.numel() * t.element_size() for _, t in named)
     return SyncStats(len(named), 1, payload, len(blob), time.perf_counter() - t0)
 
 

@@ -62,6 +62,7 @@ def load_balancing_loss(
 class Actor:
     def __init__(self, model: Transformer, cfg: RunConfig) -> None:
         self.model, self.cfg = model.train(), cfg
+        self.device = model.lm_head.weight.device  # batches go there; metrics come back as floats
         t = cfg.train
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
@@ -159,7 +160,7 @@ class Actor:
 
     def _micro_batch(self, samples, advantages, old, ref) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, a = self.cfg, self.cfg.algo
-        batch: PackedBatch = pack(samples, a.use_r3, cfg.train.share_prompts)
+        batch: PackedBatch = pack(samples, a.use_r3, cfg.train.share_prompts).to(self.device)
         logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))

@@ -29,6 +29,13 @@ class PackedBatch:
     forced_experts: torch.Tensor | None  # (B, T-1, layers, k) recorded routing, -1 = none
     shared: SharedPrompts | None = None  # set: each shared prompt is computed once (see shared_prompt)
 
+    def to(self, device) -> PackedBatch:
+        return PackedBatch(
+            *(None if t is None else t.to(device) for t in (self.input_ids, self.targets, self.attention_mask,
+                                                              self.response_mask, self.forced_experts)),
+            None if self.shared is None else self.shared.to(device),
+        )  # fmt: skip
+
 
 def pack(samples: Sequence[Sample], replay_routing: bool = False, share_prompts: bool = False) -> PackedBatch:
     T = max(len(s.tokens) for s in samples)
@@ -61,7 +68,11 @@ def pack(samples: Sequence[Sample], replay_routing: bool = False, share_prompts:
 def forward_logprobs(
     model: Transformer, batch: PackedBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """(logprobs (B, T-1) of each target, logits, model output) for a packed batch."""
+    """(logprobs (B, T-1) of each target, logits, model output) for a packed batch (moved to the
+    model's device; the results stay there)."""
+    device = model.lm_head.weight.device
+    if batch.input_ids.device != device:
+        batch = batch.to(device)
     if batch.shared is not None:
         out = shared_prompt_forward(model, batch.shared)
     else:

@@ -110,6 +110,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     acc = float("nan")
     for step in bar:
         batch = pack(sft_samples(rng.sample(items, min(cfg.batch_size, len(items))), tokenizer, cfg.chat))
+        batch = batch.to(model.lm_head.weight.device)
         logp, _, _ = forward_logprobs(model, batch)
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         opt.zero_grad(set_to_none=True)

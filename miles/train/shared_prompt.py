@@ -14,7 +14,7 @@ once, so they do); samples whose prompts differ in either way are simply differe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -34,6 +34,14 @@ class SharedPrompts:
     resp_forced: torch.Tensor | None  # (B, R, layers, k)
     rows: torch.Tensor  # (B,) the prompt row of each sample
     gather: torch.Tensor  # (B, T-1) full-layout position -> row of cat(prompt rows, response rows)
+
+    def to(self, device) -> SharedPrompts:
+        return SharedPrompts(
+            *(
+                None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                for f in fields(self)
+            )
+        )
 
 
 def _routed(s: Sample) -> np.ndarray:
