@@ -1,0 +1,131 @@
+"""The CUDA paths, checked on a GPU machine against the CPU (not part of the test suite).
+
+    .venv/bin/python scripts/gpu_check.py            # ~2-4 minutes on one GPU
+
+1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2);
+2. one GRPO training step on cuda vs cpu: same losses and gradient norm;
+3. `miles train --device cuda` (25 steps of the default job, local executor): held-out accuracy
+   rises as on CPU (0.33 -> ~0.8), with zero-copy sync (same-process GPU tensors);
+4. with 2+ GPUs: 2 training ranks (NCCL) + 2 engines on Ray, and one 2-way tensor-parallel engine.
+Prints one line per check and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def engine_cuda_vs_cpu(spec: str) -> None:
+    from miles.models import registry
+    from miles.rollout import Engine, Request, SamplingParams
+
+    model, tok = registry.load(spec)
+    prompts = [tok.encode(f"Calculate {i} + {2 * i}.") for i in range(16)]
+    out = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(copy.deepcopy(model).to(device), tok, max_batch_size=8, max_seq_len=128)
+        reqs = [
+            Request(p, SamplingParams(temperature=t, max_new_tokens=12, seed=i))
+            for i, p in enumerate(prompts)
+            for t in (0.0, 1.0)
+        ]
+        out[device] = engine.generate(reqs)
+    same = sum(a.tokens == b.tokens for a, b in zip(out["cpu"], out["cuda"]))
+    gap = max(
+        abs(x - y)
+        for a, b in zip(out["cpu"], out["cuda"])
+        if a.tokens == b.tokens
+        for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)
+    )
+    check(
+        f"engine {spec} cuda vs cpu",
+        same >= len(out["cpu"]) - 2 and gap < 1e-3,
+        f"{same}/{len(out['cpu'])} identical samples, logprob gap {gap:.2e}",
+    )
+
+
+def train_step_cuda_vs_cpu() -> None:
+    from miles.config import load_config
+    from miles.models import registry
+    from miles.rewards.runner import RewardRunner
+    from miles.rollout import Engine
+    from miles.rollout.rollout import rollout
+    from miles.runtime.loop import compute_advantages
+    from miles.runtime.setup import build_data
+    from miles.train.actor import Actor
+
+    cfg = load_config(["--config", str(ROOT / "miles/assets/default_train.yaml"), "--eval-size", "0"])
+    data = build_data(cfg)
+    policy, tok = registry.load("tiny")
+    groups, _ = rollout(Engine(copy.deepcopy(policy), tok, 256, max_seq_len=128), data.train.take(32), cfg,
+                        RewardRunner("auto", None, False, 30.0, data.task_dataset), 0, None)  # fmt: skip
+    samples = [s for g in groups for s in g]
+    metrics = {}
+    for device in ("cpu", "cuda"):
+        actor = Actor(copy.deepcopy(policy).to(device), cfg)
+        t0 = time.perf_counter()
+        metrics[device] = actor.train(samples, compute_advantages(groups, cfg, actor))
+        metrics[device]["seconds"] = time.perf_counter() - t0
+    a, b = metrics["cpu"], metrics["cuda"]
+    rel = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-6) for k in ("pg_loss", "grad_norm", "entropy"))
+    check(
+        "GRPO step cuda vs cpu",
+        rel < 1e-3,
+        f"max rel diff {rel:.2e}; {a['seconds']:.2f} s cpu, {b['seconds']:.2f} s cuda",
+    )
+
+
+def default_job_on_cuda(extra: list[str], name: str) -> None:
+    from miles.config import load_config
+    from miles.runtime.loop import train
+
+    out = Path(tempfile.mkdtemp())
+    args = ["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "25", "--eval-interval", "0",
+            "--no-progress", "--device", "cuda", "--output-dir", str(out), "--check-weight-update-equal", *extra]  # fmt: skip
+    t0 = time.perf_counter()
+    train(load_config(args))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before, after = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+    check(
+        name,
+        after > before + 0.3,
+        f"held-out {before:.3f} -> {after:.3f} in {time.perf_counter() - t0:.0f} s",
+    )
+
+
+def main() -> None:
+    check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
+    engine_cuda_vs_cpu("tiny")
+    engine_cuda_vs_cpu("smollm2")
+    train_step_cuda_vs_cpu()
+    default_job_on_cuda([], "default job, --device cuda")
+    default_job_on_cuda(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync")
+    if torch.cuda.device_count() >= 2:
+        default_job_on_cuda(
+            ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"], "Ray 2 ranks (NCCL) + 2 engines"
+        )
+        default_job_on_cuda(
+            ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"], "tensor-parallel engine (NCCL)"
+        )
+    else:
+        print("SKIP Ray/NCCL checks: they need 2 GPUs")
+
+
+if __name__ == "__main__":
+    main()
