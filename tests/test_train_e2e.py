@@ -221,3 +221,22 @@ def test_a_new_run_in_a_used_directory_keeps_the_old_metrics_apart(tmp_path):
     assert [r["rollout"] for r in read_metrics(tmp_path / "run")] == [-1, 0, 1]  # not appended
     kept = [json.loads(line) for line in (tmp_path / "run" / "metrics.1.jsonl").read_text().splitlines()]
     assert kept == first
+
+
+def test_verify_logprobs_stops_a_run_whose_mismatch_exceeds_the_threshold(tmp_path):
+    """The guide's check: with a threshold below the measured gap (~1e-7 here) the run stops at
+    rollout 0 naming the gap and the remedies; at the default threshold (0.1) it runs."""
+    from miles.errors import MilesError
+
+    args = small_run_args(tmp_path / "strict", 2) + [
+        "--verify-logprobs",
+        "--verify-logprobs-threshold",
+        "1e-12",
+    ]
+    with pytest.raises(
+        MilesError,
+        match=r"--verify-logprobs: mean \|logp_train - logp_rollout\| = .* at rollout 0; try --use-r3",
+    ):
+        train(load_config(args))
+    train(load_config(small_run_args(tmp_path / "default", 2) + ["--verify-logprobs"]))
+    assert [r["rollout"] for r in read_metrics(tmp_path / "default")] == [-1, 0, 1]

@@ -215,6 +215,38 @@ def train(cfg: RunConfig) -> Path:
             engine.shutdown()
 
 
+def resume(cfg: RunConfig, policy, actor, engine, data, metrics: MetricsLogger) -> int:
+    """The first rollout to run: after the latest checkpoint of --load (model, optimizer, data
+    position and engine weights restored, later metrics dropped), else 0 (old metrics moved aside)."""
+    for d in (cfg.checkpoint.save, cfg.checkpoint.load):
+        if d:
+            clear_stale(d)
+    if cfg.checkpoint.load and (ckpt := latest_checkpoint(cfg.checkpoint.load)) is not None:
+        state = load_checkpoint(ckpt, policy)
+        actor.load_state_dict(state["actor"])
+        data.train.position = state["data_position"]
+        engine.update_weights(hf_state_dict(policy).items(), version=state["rollout_id"] + 1)
+        metrics.truncate_after(state["rollout_id"])
+        log.info("resumed from %s at rollout %d", ckpt, state["rollout_id"] + 1)
+        return state["rollout_id"] + 1
+    metrics.archive_previous()
+    return 0
+
+
+def train_step(cfg: RunConfig, groups, rollout_id: int, actor) -> dict[str, float]:
+    """Advantages and one rollout of training; stops the run when --verify-logprobs finds the
+    trainer and the engine disagree."""
+    samples = [s for g in groups for s in g]
+    metrics = actor.train(samples, compute_advantages(groups, cfg, actor))
+    gap = metrics.get("train_rollout_logprob_abs_diff", 0.0)
+    if cfg.algo.verify_logprobs and gap > cfg.algo.verify_logprobs_threshold:
+        raise MilesError(
+            f"--verify-logprobs: mean |logp_train - logp_rollout| = {gap:.4g} exceeds "
+            f"{cfg.algo.verify_logprobs_threshold} at rollout {rollout_id}; try --use-r3 and --use-tis"
+        )
+    return metrics
+
+
 def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, keep, actor, engine) -> Path:
     """Rollout, train, sync, log, evaluate, checkpoint: `cfg.rollout.num_rollout` times."""
     zero_copy = cfg.sync.use_zero_copy_sync
@@ -230,21 +262,8 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
     )
     staging = BucketBuffer()  # one weight-sync staging buffer for the whole run
-    start = 0
-    for d in (cfg.checkpoint.save, cfg.checkpoint.load):
-        if d:
-            clear_stale(d)
-    if cfg.checkpoint.load and (ckpt := latest_checkpoint(cfg.checkpoint.load)) is not None:
-        state = load_checkpoint(ckpt, policy)
-        actor.load_state_dict(state["actor"])
-        data.train.position = state["data_position"]
-        engine.update_weights(hf_state_dict(policy).items(), version=state["rollout_id"] + 1)
-        start = state["rollout_id"] + 1
-        metrics.truncate_after(state["rollout_id"])
-        log.info("resumed from %s at rollout %d", ckpt, start)
+    start = resume(cfg, policy, actor, engine, data, metrics)
     last_eval = float("nan")
-    if start == 0:
-        metrics.archive_previous()
     if start == 0 and data.eval_items:
         initial = evaluate(engine, data.eval_items, cfg, rewards)
         metrics.log(-1, initial)
@@ -284,16 +303,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         if getattr(actor, "world", 1) > 1:
             groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, actor.world)
         if groups and not cfg.debug.debug_rollout_only:
-            samples = [s for g in groups for s in g]
-            step.update(actor.train(samples, compute_advantages(groups, cfg, actor)))
-            if (
-                cfg.algo.verify_logprobs
-                and step.get("train_rollout_logprob_abs_diff", 0.0) > cfg.algo.verify_logprobs_threshold
-            ):
-                raise MilesError(
-                    f"--verify-logprobs: mean |logp_train - logp_rollout| = {step['train_rollout_logprob_abs_diff']:.4g} "
-                    f"exceeds {cfg.algo.verify_logprobs_threshold} at rollout {rollout_id}; try --use-r3 and --use-tis"
-                )
+            step.update(train_step(cfg, groups, rollout_id, actor))
             if (rollout_id + 1) % cfg.sync.update_weights_interval == 0:
                 sync = push_weights(
                     policy,
