@@ -138,3 +138,14 @@ def test_every_field_has_help():
 def test_device_cuda_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="--device cuda: torch sees no CUDA device"):
         load_config(["--device", "cuda"])
+
+
+def test_task_config_on_the_command_line_is_json():
+    cfg = load_config(
+        ["--task", "basic_arithmetic", "--task-config", '{"max_digits": 1, "operators": ["+"]}']
+    )
+    assert cfg.data.task_config == {"max_digits": 1, "operators": ["+"]}
+    with pytest.raises(ConfigError, match="--task-config takes a JSON object"):
+        load_config(["--task-config", "max_digits=1"])
+    with pytest.raises(ConfigError, match="--task-config expects dict"):
+        load_config(["--task-config", "[1, 2]"])  # JSON, but not an object

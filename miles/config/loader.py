@@ -65,7 +65,20 @@ FIELDS = _fields()
 ALIASES = {a: info.name for info in FIELDS.values() for a in info.meta["aliases"]}
 
 
+def _json_object(info: FieldInfo, text: str, where: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{where}: {info.flag} takes a JSON object, e.g. '{{\"max_digits\": 2}}' ({e})"
+        ) from e
+
+
 def _convert(info: FieldInfo, value: Any, where: str) -> Any:
+    if info.kind is dict and isinstance(value, str):  # outside the try below: its own message
+        value = _json_object(info, value, where)
     if value is None:
         if info.optional:
             return None
@@ -135,11 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
             help_text += " [not available yet]"
         if info.kind is not bool and info.default not in (None, {}, []):
             help_text += f" (default: {info.default})"
-        if info.kind is dict:
-            continue  # YAML only
         kwargs: dict[str, Any] = {"help": help_text, "dest": info.name}
         if info.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif info.kind is dict:
+            kwargs["metavar"] = "JSON"
         else:
             kwargs["metavar"] = info.name.upper()
             if info.meta["choices"]:

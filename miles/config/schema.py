@@ -45,7 +45,9 @@ class DataSection:
     task: str | None = option(
         None, "a reasoning-gym task as prompt source and reward, e.g. basic_arithmetic, countdown"
     )
-    task_config: dict = option({}, "keyword arguments for the reasoning-gym task (YAML only)")
+    task_config: dict = option(
+        {}, "keyword arguments for the reasoning-gym task: a YAML mapping, or JSON on the command line"
+    )
     task_size: int = option(20_000, "how many task problems to generate for training")
     prompt_data: str | None = option(None, "JSONL or Parquet file of prompts")
     input_key: str = option("input", "field of --prompt-data holding the prompt")
