@@ -91,22 +91,37 @@ def push_weights(
     check_equal: bool,
     staging: BucketBuffer | None = None,
     zero_copy: bool = False,
+    trainer=None,
 ) -> SyncStats:
     """Send the policy's HF-named tensors to the engine: with `zero_copy`, handles to its shared
-    memory; else checksummed buckets of at most `bucket_bytes`. With `check_equal`, compare checksums
-    of engine and trainer weights after."""
-    state = hf_state_dict(policy)
-    if zero_copy:
-        stats = send_shared(list(state.items()), engine, version)
-    elif isinstance(engine, Engine):
-        with engine.paused():  # every bucket lands before the next decoding step (async rollouts)
-            stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
-    else:  # Ray engines: the manager buckets one whole update, so a restarted actor gets all of it
-        t0 = time.perf_counter()
-        buckets = engine.update_weights(state.items(), version, bucket_bytes)
-        payload = sum(t.numel() * t.element_size() for t in state.values())
-        stats = SyncStats(len(state), buckets, payload, payload, time.perf_counter() - t0)
+    memory; else checksummed buckets of at most `bucket_bytes`. Training ranks on Ray
+    (`trainer.publish`) hand their buckets to Ray engines directly, and the driver's `policy` is
+    refreshed only where it is read. With `check_equal`, compare checksums of engine and trainer
+    weights after."""
+    t0 = time.perf_counter()
+    if hasattr(trainer, "publish") and hasattr(engine, "update_weights_from_buckets") and not zero_copy:
+        buckets = trainer.publish(bucket_bytes)
+        engine.update_weights_from_buckets(buckets, version)
+        payload = sum(meta.nbytes for meta, _ in buckets)
+        tensors = sum(len(meta.tensors) for meta, _ in buckets)
+        stats = SyncStats(tensors, len(buckets), payload, payload, time.perf_counter() - t0)
+    else:
+        if hasattr(trainer, "sync_policy"):
+            trainer.sync_policy()
+        state = hf_state_dict(policy)
+        if zero_copy:
+            stats = send_shared(list(state.items()), engine, version)
+        elif isinstance(engine, Engine):
+            with engine.paused():  # every bucket lands before the next decoding step (async rollouts)
+                stats = send_bucketed(state.items(), engine, version, bucket_bytes, staging=staging)
+        else:  # Ray engines: the manager buckets one whole update, so a restarted actor gets all of it
+            n = engine.update_weights(state.items(), version, bucket_bytes)
+            payload = sum(t.numel() * t.element_size() for t in state.values())
+            stats = SyncStats(len(state), n, payload, payload, time.perf_counter() - t0)
     if check_equal:
+        if hasattr(trainer, "sync_policy"):
+            trainer.sync_policy()
+        state = hf_state_dict(policy)
         engine_states = engine.states() if hasattr(engine, "states") else [engine.model.state_dict()]
         differ = sorted(
             {n for es in engine_states for n, t in state.items() if checksum(es[n]) != checksum(t)}
@@ -313,6 +328,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
                     cfg.sync.check_weight_update_equal,
                     staging,
                     zero_copy,
+                    trainer=actor,
                 )
                 step.update(
                     sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
@@ -340,6 +356,8 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         if cfg.checkpoint.save and (
             last or (cfg.checkpoint.save_interval and (rollout_id + 1) % cfg.checkpoint.save_interval == 0)
         ):
+            if hasattr(actor, "sync_policy"):
+                actor.sync_policy()
             save_checkpoint(
                 cfg.checkpoint.save,
                 rollout_id,
@@ -355,5 +373,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         pool.shutdown()
     metrics.close()
     if cfg.checkpoint.save_hf:
+        if hasattr(actor, "sync_policy"):
+            actor.sync_policy()
         save_model(policy, cfg.checkpoint.save_hf, tokenizer=tokenizer)
     return run_dir

@@ -182,6 +182,13 @@ class RolloutManager:
         for items in plan_buckets(named, bucket_bytes):
             flat, meta = pack(items)
             buckets.append((meta, ray.put(flat.numpy())))  # numpy: fetched zero-copy from the store
+        return self.update_weights_from_buckets(buckets, version)
+
+    def update_weights_from_buckets(
+        self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int
+    ) -> int:
+        """Every actor fetches buckets already in the object store (a training rank put them there);
+        they are kept to re-sync an actor that restarts. Returns their count."""
         self._buckets, self._handles, self.version = buckets, None, version
         ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
         return len(buckets)

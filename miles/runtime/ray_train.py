@@ -78,6 +78,18 @@ class TrainerActor:
             }
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
+    def publish(self, bucket_bytes: int) -> list:
+        """This rank's weights as checksummed buckets put into Ray's object store (as numpy, read
+        in place by the engines): the engines fetch them from here, not through the driver."""
+        from miles.models.checkpoint import hf_state_dict
+        from miles.sync.buckets import pack, plan_buckets
+
+        out = []
+        for items in plan_buckets(hf_state_dict(self.actor.model).items(), bucket_bytes):
+            flat, meta = pack(items)
+            out.append((meta, ray.put(flat.numpy())))
+        return out
+
     def actor_state(self) -> dict:
         return self.actor.state_dict()
 
@@ -120,6 +132,7 @@ class RayTrainer:
             TrainerActor.options(**options[r]).remote(r, world, port, values, addr=addr) for r in range(world)
         ]
         self.policy, self.world = policy, world
+        self._policy_stale = False
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-token log pi_old - log pi_ref of every sample, each rank computing its shard."""
@@ -142,10 +155,21 @@ class RayTrainer:
                 f"a training rank died during the step ({type(e).__name__}); the run stops here. Resume from the "
                 "last checkpoint with --load (checkpoints need --save and --save-interval)"
             ) from e
-        state = ray.get(self.ranks[0].state_dict.remote(as_numpy=True))
-        self.policy.load_state_dict({k: from_object_store(v) for k, v in state.items()})
+        self._policy_stale = True  # the driver's copy is refreshed only when it is needed
         keys = set.intersection(*(set(m) for m in per_rank))
         return {k: sum(m[k] for m in per_rank) / self.world for k in keys}
+
+    def sync_policy(self) -> None:
+        """Bring the driver's copy of the policy up to rank 0's weights (for checkpoints, zero-copy
+        sync and --check-weight-update-equal; the standard sync goes rank 0 -> engines directly)."""
+        if self._policy_stale:
+            state = ray.get(self.ranks[0].state_dict.remote(as_numpy=True))
+            self.policy.load_state_dict({k: from_object_store(v) for k, v in state.items()})
+            self._policy_stale = False
+
+    def publish(self, bucket_bytes: int) -> list:
+        """Rank 0's weights as object-store buckets, for `RolloutManager.update_weights_from_buckets`."""
+        return ray.get(self.ranks[0].publish.remote(bucket_bytes))
 
     def state_dict(self) -> dict:
         return ray.get(self.ranks[0].actor_state.remote())
