@@ -5,7 +5,8 @@
 1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2);
 2. one GRPO training step on cuda vs cpu: same losses and gradient norm;
 3. `miles train --device cuda` (25 steps of the default job, local executor): held-out accuracy
-   rises as on CPU (0.33 -> ~0.8), with zero-copy sync (same-process GPU tensors);
+   rises as on CPU (0.33 -> ~0.8), also with zero-copy sync (same-process GPU tensors) and with
+   --colocate (trainer state moved to CPU during each rollout, KV cache freed during training);
 4. with 2+ GPUs: 2 training ranks (NCCL) + 2 engines on Ray, and one 2-way tensor-parallel engine.
 Prints one line per check and exits non-zero on the first failure.
 """
@@ -107,6 +108,11 @@ def default_job_on_cuda(extra: list[str], name: str) -> None:
         after > before + 0.3,
         f"held-out {before:.3f} -> {after:.3f} in {time.perf_counter() - t0:.0f} s",
     )
+    if "--colocate" in extra:
+        moved = [r.get("train_offloaded_bytes", 0) for r in rows if r["rollout"] > 0]
+        check(
+            name + ": trainer offloaded during rollout", min(moved) > 0, f"{min(moved) / 1e6:.1f} MB per step"
+        )
 
 
 def main() -> None:
@@ -116,6 +122,7 @@ def main() -> None:
     train_step_cuda_vs_cpu()
     default_job_on_cuda([], "default job, --device cuda")
     default_job_on_cuda(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync")
+    default_job_on_cuda(["--colocate"], "default job, --device cuda --colocate")
     if torch.cuda.device_count() >= 2:
         default_job_on_cuda(
             ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"], "Ray 2 ranks (NCCL) + 2 engines"

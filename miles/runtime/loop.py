@@ -304,6 +304,8 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
 
     for rollout_id in bar:
         t0 = time.perf_counter()
+        colocated = cfg.sync.colocate and pool is None
+        offloaded = actor.offload() if colocated else 0  # the engines get the devices for rollout
         if pool is None:
             groups, step = rollout(engine, data.train.take(draw), cfg, rewards, rollout_id, keep)
         else:
@@ -313,8 +315,10 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
                 groups, trainer_version=rollout_id, bound=cfg.sync.max_staleness
             )
         t1 = time.perf_counter()
-        if cfg.sync.colocate and pool is None:  # training has the devices now: engines free their KV cache
+        if colocated:  # training has the devices now: engines free their KV cache, the trainer returns
             step["rollout_memory_released_bytes"] = engine.release_memory()
+            step["train_offloaded_bytes"] = offloaded
+            actor.onload()
         if getattr(actor, "world", 1) > 1:
             groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, actor.world)
         if groups and not cfg.debug.debug_rollout_only:

@@ -90,6 +90,12 @@ class TrainerActor:
             out.append((meta, ray.put(flat.numpy())))
         return out
 
+    def offload(self) -> int:
+        return self.actor.offload()
+
+    def onload(self) -> int:
+        return self.actor.onload()
+
     def actor_state(self) -> dict:
         return self.actor.state_dict()
 
@@ -158,6 +164,13 @@ class RayTrainer:
         self._policy_stale = True  # the driver's copy is refreshed only when it is needed
         keys = set.intersection(*(set(m) for m in per_rank))
         return {k: sum(m[k] for m in per_rank) / self.world for k in keys}
+
+    def offload(self) -> int:
+        """Every rank moves its training state off its GPU (colocated rollout); total bytes."""
+        return sum(ray.get([r.offload.remote() for r in self.ranks]))
+
+    def onload(self) -> int:
+        return sum(ray.get([r.onload.remote() for r in self.ranks]))
 
     def sync_policy(self) -> None:
         """Bring the driver's copy of the policy up to rank 0's weights (for checkpoints, zero-copy

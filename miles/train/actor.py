@@ -88,6 +88,32 @@ class Actor:
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
 
+    def offload(self) -> int:
+        """Move weights, gradients and optimizer state (and the reference model) to CPU while a
+        colocated engine uses the GPU; bytes moved. Nothing to do when training runs on CPU."""
+        return self._move_to(torch.device("cpu")) if self.device.type != "cpu" else 0
+
+    def onload(self) -> int:
+        """Bring everything `offload` moved back to the training device."""
+        return self._move_to(self.device) if self.device.type != "cpu" else 0
+
+    @torch.no_grad()
+    def _move_to(self, device: torch.device) -> int:
+        moved = 0
+        models = [self.model] + ([self.ref_model] if self.ref_model is not None else [])
+        for p in (p for m in models for p in m.parameters()):
+            if p.device != device:
+                moved += p.numel() * p.element_size()
+                p.data = p.data.to(device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0:
+                    moved += value.numel() * value.element_size()
+                    state[key] = value.to(device)
+        return moved
+
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample], model: Transformer | None = None) -> list[torch.Tensor]:
         """Per-sample response log-probs under `model` (default: the policy), micro-batched."""
