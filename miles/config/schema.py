@@ -195,6 +195,12 @@ class TrainSection:
         64, "samples per forward/backward (gradient accumulation up to the global batch)"
     )
     num_steps_per_rollout: int = option(1, "optimizer steps per rollout")
+    data_parallel: str = option(
+        "ddp",
+        "with several training ranks: ddp (every rank holds the whole model; one gradient all-reduce per "
+        "step) or fsdp (FSDP2 fully_shard: weights, gradients and optimizer state sharded over the ranks)",
+        choices=("ddp", "fsdp"),
+    )
     share_prompts: bool = option(
         True,
         "compute each group's shared prompt once in the training forward (same result as the full "

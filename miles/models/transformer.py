@@ -98,8 +98,8 @@ class Attention(nn.Module):
         mask: torch.Tensor,  # (B, 1, T, S) bool, True = may attend
         cache: tuple[KVCache, int, Rows, torch.Tensor, int] | None,
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # (B, KV, P, D) keys/values before x
-        kv_out: list | None = None,  # if given, this layer's (k, v) after RoPE is appended
-    ) -> torch.Tensor:
+        collect_kv: bool = False,  # also return this layer's (k, v) after RoPE
+    ):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -107,8 +107,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)  # (B, H, T, D)
-        if kv_out is not None:
-            kv_out.append((k, v))
+        own_kv = (k, v)
         if prefix_kv is not None:  # a shared prompt computed once for its group (training)
             k, v = torch.cat([prefix_kv[0], k], dim=2), torch.cat([prefix_kv[1], v], dim=2)
         if cache is not None:
@@ -121,7 +120,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
             )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return (out, own_kv) if collect_kv else out
 
 
 class MLP(nn.Module):
@@ -193,7 +193,9 @@ class MoE(nn.Module):
         # one gather, then views per expert: the backward is one index_add and one cat, not a
         # full-size zero tensor per expert as with x[token[slice]]
         chunks = x.index_select(0, token).split(counts)
-        outputs = [self.experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e]]
+        # training runs every expert, also on 0 rows: unused ones get zero gradients, not None, so
+        # data-parallel ranks reduce the same tensors (FSDP2 needs that)
+        outputs = [self.experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e] or self.training]
         y = torch.cat(outputs) * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -301,13 +303,17 @@ class Transformer(nn.Module):
 
         h = self.model.embed_tokens(input_ids)
         router_logits, routed = [], []
-        kv: list | None = [] if collect_kv else None
+        kv: list | None = [] if collect_kv else None  # returned, not passed in: FSDP2 rebuilds arguments
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache, i, cache_rows, positions, length)
             before = None
             if prefix is not None:
                 before = tuple(t.index_select(0, prefix.rows) for t in prefix.kv[i])
-            h = h + layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache, before, kv)
+            attn = layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache, before, collect_kv)
+            if collect_kv:
+                attn, pair = attn
+                kv.append(pair)
+            h = h + attn
             x = layer.post_attention_layernorm(h)
             if layer.is_moe:
                 forced = None

@@ -8,6 +8,7 @@ one process on the whole batch.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 
@@ -38,6 +39,26 @@ def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
     return bool(flat[-1] == 0)
 
 
+def all_reduce_finite(finite: bool, device: torch.device) -> bool:
+    """True only if every rank's loss was finite (FSDP2 has already averaged the gradients)."""
+    flag = torch.tensor([0.0 if finite else 1.0], device=device)
+    dist.all_reduce(flag)
+    return bool(flag[0] == 0)
+
+
+def shard_fsdp(model: torch.nn.Module, device: torch.device) -> None:
+    """FSDP2 `fully_shard` over all ranks: each layer's attention and MLP/MoE are units (they are
+    the modules the forward calls), the rest (embeddings, norms, lm_head) the root unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer.self_attn, mesh=mesh)
+        fully_shard(layer.mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 @ray.remote(num_cpus=0)
 class TrainerActor:
     def __init__(
@@ -60,17 +81,35 @@ class TrainerActor:
         cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, cfg.train.global_batch_size)
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
-        self.actor = Actor(policy, cfg)
-        self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
-        self.rank = rank
+        self.rank, self.fsdp = rank, cfg.train.data_parallel == "fsdp"
+        if self.fsdp:
+            a = cfg.algo
+            needs_ref = (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0
+            ref = copy.deepcopy(policy) if needs_ref else None  # whole, before the policy is sharded
+            shard_fsdp(policy, device)
+            self.actor = Actor(policy, cfg, ref_model=ref)
+            self.actor.grad_sync = lambda finite: all_reduce_finite(finite, device)  # FSDP2 reduced the grads
+        else:
+            self.actor = Actor(policy, cfg)
+            self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         return self.actor.train(samples, advantages)
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """Whole weights (FSDP: gathered, a collective every rank must join; only rank 0 gets them)."""
+        if not self.fsdp:
+            return self.actor.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(
+            self.actor.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
     def state_dict(self, as_numpy: bool = False) -> dict:
         """The model's weights; `as_numpy` for the driver, which then reads them in place from
         Ray's object store instead of unpickling a copy (~3x faster end to end)."""
-        state = self.actor.model.state_dict()
+        state = self._model_state()
         if as_numpy:
             return {
                 k: v.detach().cpu().numpy().copy() if v.dtype != torch.bfloat16 else v.detach().cpu()
@@ -81,11 +120,13 @@ class TrainerActor:
     def publish(self, bucket_bytes: int) -> list:
         """This rank's weights as checksummed buckets put into Ray's object store (as numpy, read
         in place by the engines): the engines fetch them from here, not through the driver."""
-        from miles.models.checkpoint import hf_state_dict
         from miles.sync.buckets import pack, plan_buckets
 
+        state = {k: v.detach().contiguous() for k, v in self._model_state().items()}
+        if self.actor.model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
         out = []
-        for items in plan_buckets(hf_state_dict(self.actor.model).items(), bucket_bytes):
+        for items in plan_buckets(state.items(), bucket_bytes):
             flat, meta = pack(items)
             out.append((meta, ray.put(flat.numpy())))
         return out
@@ -97,11 +138,35 @@ class TrainerActor:
         return self.actor.onload()
 
     def actor_state(self) -> dict:
-        return self.actor.state_dict()
+        state = self.actor.state_dict()
+        if self.fsdp:  # the whole optimizer state, by parameter name (a collective)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            state["optimizer"] = get_optimizer_state_dict(
+                self.actor.model,
+                self.actor.optimizer,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+            )
+        return state
 
     def load(self, model_state: dict[str, torch.Tensor], actor_state: dict) -> None:
-        self.actor.model.load_state_dict(model_state)
-        self.actor.load_state_dict(actor_state)
+        if not self.fsdp:
+            self.actor.model.load_state_dict(model_state)
+            self.actor.load_state_dict(actor_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        whole = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.actor.model, model_state, options=whole)
+        set_optimizer_state_dict(
+            self.actor.model, self.actor.optimizer, optim_state_dict=actor_state["optimizer"], options=whole
+        )
+        self.actor.scheduler.load_state_dict(actor_state["scheduler"])
+        self.actor.skipped_steps = actor_state["skipped_steps"]
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         return self.actor.reference_kl(samples)
@@ -139,6 +204,7 @@ class RayTrainer:
         ]
         self.policy, self.world = policy, world
         self._policy_stale = False
+        self._collective = cfg.train.data_parallel == "fsdp"  # whole-state reads need every rank
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-token log pi_old - log pi_ref of every sample, each rank computing its shard."""
@@ -176,16 +242,21 @@ class RayTrainer:
         """Bring the driver's copy of the policy up to rank 0's weights (for checkpoints, zero-copy
         sync and --check-weight-update-equal; the standard sync goes rank 0 -> engines directly)."""
         if self._policy_stale:
-            state = ray.get(self.ranks[0].state_dict.remote(as_numpy=True))
+            state = self._from_rank0("state_dict", as_numpy=True)
             self.policy.load_state_dict({k: from_object_store(v) for k, v in state.items()})
             self._policy_stale = False
 
     def publish(self, bucket_bytes: int) -> list:
         """Rank 0's weights as object-store buckets, for `RolloutManager.update_weights_from_buckets`."""
-        return ray.get(self.ranks[0].publish.remote(bucket_bytes))
+        return self._from_rank0("publish", bucket_bytes)
+
+    def _from_rank0(self, method: str, *args, **kwargs):
+        """Rank 0's answer; with FSDP every rank joins (the whole state is gathered)."""
+        ranks = self.ranks if self._collective else self.ranks[:1]
+        return ray.get([getattr(r, method).remote(*args, **kwargs) for r in ranks])[0]
 
     def state_dict(self) -> dict:
-        return ray.get(self.ranks[0].actor_state.remote())
+        return self._from_rank0("actor_state")
 
     def load_state_dict(self, state: dict) -> None:
         model_state = self.policy.state_dict()

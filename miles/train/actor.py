@@ -60,7 +60,8 @@ def load_balancing_loss(
 
 
 class Actor:
-    def __init__(self, model: Transformer, cfg: RunConfig) -> None:
+    def __init__(self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None) -> None:
+        """`ref_model`: the frozen reference when KL is used (default: a copy of `model` now)."""
         self.model, self.cfg = model.train(), cfg
         self.device = model.lm_head.weight.device  # batches go there; metrics come back as floats
         t = cfg.train
@@ -71,7 +72,7 @@ class Actor:
         a = cfg.algo
         self.ref_model = None
         if (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.skipped_steps = 0
         # set by a data-parallel runner: all-reduces gradients, returns whether every rank is finite
         self.grad_sync = None
@@ -172,6 +173,8 @@ class Actor:
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
             )
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
+                grad_norm = grad_norm.full_tensor()
             if not finite or not torch.isfinite(grad_norm):
                 self.skipped_steps += 1
                 self.optimizer.zero_grad(set_to_none=True)
