@@ -7,7 +7,8 @@
 3. `miles train --device cuda` (25 steps of the default job, local executor): held-out accuracy
    rises as on CPU (0.33 -> ~0.8), also with zero-copy sync (same-process GPU tensors) and with
    --colocate (trainer state moved to CPU during each rollout, KV cache freed during training);
-4. with 2+ GPUs: 2 training ranks (NCCL) + 2 engines on Ray, and one 2-way tensor-parallel engine.
+4. with 2+ GPUs: 2 training ranks (NCCL; DDP-style and FSDP2) + 2 engines on Ray, and one 2-way
+   tensor-parallel engine.
 Prints one line per check and exits non-zero on the first failure.
 """
 
@@ -129,6 +130,10 @@ def main() -> None:
         )
         default_job_on_cuda(
             ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"], "tensor-parallel engine (NCCL)"
+        )
+        default_job_on_cuda(
+            ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"],
+            "Ray 2 FSDP2 ranks (NCCL) + 2 engines",
         )
     else:
         print("SKIP Ray/NCCL checks: they need 2 GPUs")
