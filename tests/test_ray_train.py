@@ -117,8 +117,8 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
 
 
 def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):
-    """--use-zero-copy-sync: local and Ray engines map the trainer's memory: same run, and each
-    sync moves handles of a few KB instead of the 7 MB model."""
+    """--use-zero-copy-sync: local and Ray engines map the trainer's memory (with several ranks,
+    rank 0's own): same run, and each sync moves handles of a few KB instead of the 7 MB model."""
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
@@ -126,7 +126,8 @@ def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):
 
     train(load_config(small_run_args(tmp_path / "bucketed", 3)))
     reference = read_metrics(tmp_path / "bucketed")
-    for name, extra in (("local", []), ("ray", ["--rollout-num-gpus", "2"])):
+    ranks = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]  # engines map rank 0's memory
+    for name, extra in (("local", []), ("ray", ["--rollout-num-gpus", "2"]), ("ranks", ranks)):
         train(
             load_config(
                 small_run_args(tmp_path / name, 2)

@@ -99,7 +99,13 @@ def push_weights(
     refreshed only where it is read. With `check_equal`, compare checksums of engine and trainer
     weights after."""
     t0 = time.perf_counter()
-    if hasattr(trainer, "publish") and hasattr(engine, "update_weights_from_buckets") and not zero_copy:
+    blob = trainer.share_handles() if zero_copy and hasattr(trainer, "share_handles") else None
+    if blob is not None and hasattr(engine, "update_weights_from_handles"):
+        # engines map rank 0's own shared memory: nothing passes through the driver
+        engine.update_weights_from_handles(blob, version)
+        payload = sum(t.numel() * t.element_size() for t in policy.parameters())
+        stats = SyncStats(0, 1, payload, len(blob), time.perf_counter() - t0)
+    elif hasattr(trainer, "publish") and hasattr(engine, "update_weights_from_buckets") and not zero_copy:
         buckets = trainer.publish(bucket_bytes)
         engine.update_weights_from_buckets(buckets, version)
         payload = sum(meta.nbytes for meta, _ in buckets)

@@ -131,6 +131,18 @@ class TrainerActor:
             out.append((meta, ray.put(flat.numpy())))
         return out
 
+    def share_handles(self) -> bytes:
+        """Zero-copy: this rank's weights moved into shared memory once (the optimizer keeps
+        updating them there) and handles to them, which engines on this host map."""
+        if getattr(self, "_handles", None) is None:
+            from miles.models.checkpoint import hf_state_dict
+            from miles.sync.transports import handles, share
+
+            named = list(hf_state_dict(self.actor.model).items())
+            share(named)
+            self._handles = handles(named)
+        return self._handles
+
     def offload(self) -> int:
         return self.actor.offload()
 
@@ -245,6 +257,10 @@ class RayTrainer:
             state = self._from_rank0("state_dict", as_numpy=True)
             self.policy.load_state_dict({k: from_object_store(v) for k, v in state.items()})
             self._policy_stale = False
+
+    def share_handles(self) -> bytes | None:
+        """Handles to rank 0's weights in shared memory (None with FSDP: a rank holds only a shard)."""
+        return None if self._collective else ray.get(self.ranks[0].share_handles.remote())
 
     def publish(self, bucket_bytes: int) -> list:
         """Rank 0's weights as object-store buckets, for `RolloutManager.update_weights_from_buckets`."""
