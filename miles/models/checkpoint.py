@@ -132,9 +132,13 @@ def load_model(
     return model.to(device=device, dtype=dtype)
 
 
-def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds, by Hugging Face name (tied lm_head left out)."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+def hf_state_dict(
+    model: Transformer, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds, by Hugging Face name (tied lm_head left out); from `state`
+    when given (e.g. the whole weights an FSDP model gathered), else from the model."""
+    state = model.state_dict() if state is None else state
+    state = {k: v.detach().contiguous() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

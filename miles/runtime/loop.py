@@ -99,6 +99,7 @@ def push_weights(
     refreshed only where it is read. With `check_equal`, compare checksums of engine and trainer
     weights after."""
     t0 = time.perf_counter()
+    state = None  # the driver's HF tensors, when a path below needed them
     blob = trainer.share_handles() if zero_copy and hasattr(trainer, "share_handles") else None
     if blob is not None and hasattr(engine, "update_weights_from_handles"):
         # engines map rank 0's own shared memory: nothing passes through the driver
@@ -112,7 +113,7 @@ def push_weights(
         tensors = sum(len(meta.tensors) for meta, _ in buckets)
         stats = SyncStats(tensors, len(buckets), payload, payload, time.perf_counter() - t0)
     else:
-        if hasattr(trainer, "sync_policy"):
+        if trainer is not None:
             trainer.sync_policy()
         state = hf_state_dict(policy)
         if zero_copy:
@@ -125,9 +126,9 @@ def push_weights(
             payload = sum(t.numel() * t.element_size() for t in state.values())
             stats = SyncStats(len(state), n, payload, payload, time.perf_counter() - t0)
     if check_equal:
-        if hasattr(trainer, "sync_policy"):
+        if state is None:  # the direct Ray paths did not read the driver's copy: refresh it
             trainer.sync_policy()
-        state = hf_state_dict(policy)
+            state = hf_state_dict(policy)
         engine_states = engine.states() if hasattr(engine, "states") else [engine.model.state_dict()]
         differ = sorted(
             {n for es in engine_states for n, t in state.items() if checksum(es[n]) != checksum(t)}
@@ -366,8 +367,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         if cfg.checkpoint.save and (
             last or (cfg.checkpoint.save_interval and (rollout_id + 1) % cfg.checkpoint.save_interval == 0)
         ):
-            if hasattr(actor, "sync_policy"):
-                actor.sync_policy()
+            actor.sync_policy()
             save_checkpoint(
                 cfg.checkpoint.save,
                 rollout_id,
@@ -383,7 +383,6 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         pool.shutdown()
     metrics.close()
     if cfg.checkpoint.save_hf:
-        if hasattr(actor, "sync_policy"):
-            actor.sync_policy()
+        actor.sync_policy()
         save_model(policy, cfg.checkpoint.save_hf, tokenizer=tokenizer)
     return run_dir

@@ -37,6 +37,18 @@ def from_object_store(array) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
+def put_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[tuple[BucketMeta, ray.ObjectRef]]:
+    """Checksummed buckets put into Ray's object store by this process (as numpy: engines read
+    them in place), with their metadata."""
+    out = []
+    for items in plan_buckets(named, bucket_bytes):
+        flat, meta = pack(items)
+        out.append((meta, ray.put(flat.numpy())))
+    return out
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)
 class EngineActor:
     """One rollout engine in its own process."""
@@ -178,11 +190,7 @@ class RolloutManager:
     ) -> int:
         """Put each bucket into the object store once; every actor fetches it. The buckets are
         kept (until the next update) to re-sync an actor that restarts. Returns their count."""
-        buckets = []
-        for items in plan_buckets(named, bucket_bytes):
-            flat, meta = pack(items)
-            buckets.append((meta, ray.put(flat.numpy())))  # numpy: fetched zero-copy from the store
-        return self.update_weights_from_buckets(buckets, version)
+        return self.update_weights_from_buckets(put_buckets(named, bucket_bytes), version)
 
     def update_weights_from_buckets(
         self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int

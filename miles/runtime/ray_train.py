@@ -1,9 +1,10 @@
 """Training ranks on Ray: data parallelism over `torch.distributed` (gloo on CPU, NCCL on GPU).
 
-Each `TrainerActor` holds a full copy of the policy and trains on its shard of every global
-batch; gradients are averaged with one flattened all-reduce per optimizer step (what DDP does,
-but it also covers MoE experts that got no tokens on a rank), so M ranks take the same step as
-one process on the whole batch.
+Each `TrainerActor` trains on its shard of every global batch. With `--data-parallel ddp` it
+holds a full copy of the policy and gradients are averaged with one flattened all-reduce per
+optimizer step (what DDP does, but it also covers MoE experts that got no tokens on a rank);
+with `fsdp` the policy is sharded by FSDP2. Either way M ranks take the same step as one
+process on the whole batch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from miles.config import make_config
 from miles.data.sample import Sample
 from miles.errors import MilesError
 from miles.runtime.placement import rendezvous
-from miles.runtime.ray_rollout import from_object_store
+from miles.runtime.ray_rollout import from_object_store, put_buckets
 
 
 def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
@@ -66,7 +67,7 @@ class TrainerActor:
     ) -> None:
         from miles.models import registry
         from miles.runtime.setup import resolve_device
-        from miles.train.actor import Actor
+        from miles.train.actor import Actor, needs_reference
 
         torch.set_num_threads(threads)
         cfg = make_config(values)
@@ -82,10 +83,9 @@ class TrainerActor:
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
         self.rank, self.fsdp = rank, cfg.train.data_parallel == "fsdp"
+        self._handles: bytes | None = None  # --use-zero-copy-sync: see share_handles
         if self.fsdp:
-            a = cfg.algo
-            needs_ref = (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0
-            ref = copy.deepcopy(policy) if needs_ref else None  # whole, before the policy is sharded
+            ref = copy.deepcopy(policy) if needs_reference(cfg) else None  # whole, before sharding
             shard_fsdp(policy, device)
             self.actor = Actor(policy, cfg, ref_model=ref)
             self.actor.grad_sync = lambda finite: all_reduce_finite(finite, device)  # FSDP2 reduced the grads
@@ -112,29 +112,24 @@ class TrainerActor:
         state = self._model_state()
         if as_numpy:
             return {
-                k: v.detach().cpu().numpy().copy() if v.dtype != torch.bfloat16 else v.detach().cpu()
+                k: v.detach().cpu().numpy()
+                if v.dtype != torch.bfloat16
+                else v.detach().cpu()  # Ray copies it out
                 for k, v in state.items()
             }
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def publish(self, bucket_bytes: int) -> list:
-        """This rank's weights as checksummed buckets put into Ray's object store (as numpy, read
-        in place by the engines): the engines fetch them from here, not through the driver."""
-        from miles.sync.buckets import pack, plan_buckets
+        """This rank's weights as buckets in Ray's object store: the engines fetch them from
+        here, not through the driver (with FSDP only rank 0 holds whole weights to put)."""
+        from miles.models.checkpoint import hf_state_dict
 
-        state = {k: v.detach().contiguous() for k, v in self._model_state().items()}
-        if self.actor.model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        out = []
-        for items in plan_buckets(state.items(), bucket_bytes):
-            flat, meta = pack(items)
-            out.append((meta, ray.put(flat.numpy())))
-        return out
+        return put_buckets(hf_state_dict(self.actor.model, self._model_state()).items(), bucket_bytes)
 
     def share_handles(self) -> bytes:
         """Zero-copy: this rank's weights moved into shared memory once (the optimizer keeps
         updating them there) and handles to them, which engines on this host map."""
-        if getattr(self, "_handles", None) is None:
+        if self._handles is None:
             from miles.models.checkpoint import hf_state_dict
             from miles.sync.transports import handles, share
 

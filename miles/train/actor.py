@@ -59,6 +59,12 @@ def load_balancing_loss(
     return torch.stack(losses).mean()
 
 
+def needs_reference(cfg: RunConfig) -> bool:
+    """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward)."""
+    a = cfg.algo
+    return (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0
+
+
 class Actor:
     def __init__(self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None) -> None:
         """`ref_model`: the frozen reference when KL is used (default: a copy of `model` now)."""
@@ -69,9 +75,8 @@ class Actor:
             model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        a = cfg.algo
         self.ref_model = None
-        if (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0:
+        if needs_reference(cfg):
             self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.skipped_steps = 0
         # set by a data-parallel runner: all-reduces gradients, returns whether every rank is finite
@@ -88,6 +93,10 @@ class Actor:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
+
+    def sync_policy(self) -> None:
+        """The driver's policy is this trainer's own model here: nothing to fetch (the Ray
+        trainer's version copies rank 0's weights)."""
 
     def offload(self) -> int:
         """Move weights, gradients and optimizer state (and the reference model) to CPU while a
