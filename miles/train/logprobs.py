@@ -49,19 +49,20 @@ def pack(samples: Sequence[Sample], replay_routing: bool = False, share_prompts:
         attn[b, : n - 1] = 1
         mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
         resp[b, p - 1 : n - 1] = torch.tensor(mask, dtype=torch.float32)
-    forced = None
     if replay_routing:
         missing = [b for b, s in enumerate(samples) if s.rollout_routed_experts is None]
         if missing:
             raise ValueError(
                 f"routing replay (--use-r3) needs rollout_routed_experts; sample {missing[0]} has none"
             )
+    shared = plan_shared_prompts(samples, replay_routing) if share_prompts else None
+    forced = None
+    if replay_routing and shared is None:  # the shared-prompt plan carries its own routing
         L, K = samples[0].rollout_routed_experts.shape[1:]
         forced = torch.full((B, T - 1, L, K), -1, dtype=torch.long)
         for b, s in enumerate(samples):
             routed = np.asarray(s.rollout_routed_experts)
             forced[b, : len(routed)] = torch.from_numpy(routed.astype(np.int64))
-    shared = plan_shared_prompts(samples, replay_routing) if share_prompts else None
     return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared)
 
 
