@@ -245,12 +245,10 @@ class Engine:
             tuple(s.request.prompt_ids + s.response[:-1]) if s.response else tuple(s.request.prompt_ids)
             for s in states
         ]
-        unique: dict[tuple[int, ...], int] = {}
-        for seq in seqs:
-            unique.setdefault(seq, len(unique))
-        firsts = {}
+        firsts: dict[tuple[int, ...], int] = {}  # sequence -> the first state holding it
         for b, seq in enumerate(seqs):
             firsts.setdefault(seq, b)
+        unique = {seq: u for u, seq in enumerate(firsts)}  # sequence -> its prefill row
         owners = [states[firsts[seq]] for seq in unique]  # the state whose slot computes each sequence
         T = max(len(x) for x in unique)
         ids = torch.zeros(len(unique), T, dtype=torch.long)
