@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import ray
@@ -21,6 +20,7 @@ from miles.runtime.ray_rollout import RolloutManager
 from miles.runtime.ray_train import TrainerActor, shard
 from miles.runtime.setup import build_data
 from miles.train.actor import Actor
+from tests.conftest import free_port
 from tests.test_train_e2e import DEFAULT_YAML
 
 SAME_RUN_KEYS = (
@@ -40,12 +40,6 @@ def assert_same_run(reference: list[dict], other: list[dict], rel: float = 1e-4)
         for key in SAME_RUN_KEYS:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (a["rollout"], key)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):

@@ -4,7 +4,6 @@ equal to the trainer; zero-copy really shares memory across processes."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from miles.sync.transports import (
     send_shared,
     share,
 )
-from tests.conftest import random_model
+from tests.conftest import free_port, random_model
 
 
 def mixed_tensors():
@@ -129,18 +128,12 @@ def _broadcast_rank(rank: int, world: int, port: int, corrupt: bool, results) ->
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_broadcast_to_engine_ranks(corrupt):
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     mp.start_processes(
-        _broadcast_rank, args=(3, _free_port(), corrupt, results), nprocs=3, start_method="spawn"
+        _broadcast_rank, args=(3, free_port(), corrupt, results), nprocs=3, start_method="spawn"
     )
     n = len(random_model("llama", seed=5).state_dict())
     if corrupt:  # every rank, the sender included, stops with the names

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 from miles.errors import MilesError
 from miles.models.tensor_parallel import check_divisible, shard_model, shard_named, unshard
 from miles.rollout import Engine, Request, SamplingParams
-from tests.conftest import ARCHS, random_model
+from tests.conftest import ARCHS, free_port, random_model
 
 
 def requests() -> list[Request]:
@@ -49,10 +48,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_two_rank_engine_matches_the_whole_model(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
     for arch in ARCHS:
         whole = generate(random_model(arch, seed=5))
