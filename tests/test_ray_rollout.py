@@ -64,3 +64,34 @@ def test_killed_engine_is_restarted_and_the_step_completes(ray_cluster, tmp_path
     assert all(s.weight_versions == [2] for s in samples)  # the restarted actor got the new weights
     local = Engine(new, max_batch_size=4, max_seq_len=512)
     assert [s.tokens for s in samples] == [s.tokens for s in local.generate(requests_for(40, 400))]
+
+
+def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
+    """Weights broadcast over the weight-update group; an engine killed mid-rollout comes back
+    with the current weights (from the object store), and the next broadcast re-forms the group
+    with the new process: every engine ends equal to the trainer."""
+    from miles.runtime.ray_rollout import DriverWeightSource
+
+    save_model(random_model("llama", seed=3), tmp_path / "base")
+    manager = RolloutManager(str(tmp_path / "base"), num_engines=2, max_batch_size=4, max_seq_len=512)
+    trainer = random_model("llama", seed=4)
+    source = DriverWeightSource(trainer)
+    stats = manager.update_weights_by_broadcast(source, version=2, bucket_bytes=50_000)
+    assert stats.buckets > 1
+    reqs = requests_for(40, 400)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
+    worker.start()
+    time.sleep(0.5)  # mid-rollout
+    ray.kill(manager.actors[1], no_restart=False)
+    worker.join(timeout=240)
+    samples = result["samples"]
+    assert manager.restarts == 1 and len(samples) == 40
+    assert all(s.weight_versions == [2] for s in samples)
+    local = Engine(random_model("llama", seed=4), max_batch_size=4, max_seq_len=512)
+    assert [s.tokens for s in samples] == [s.tokens for s in local.generate(requests_for(40, 400))]
+
+    trainer.load_state_dict(random_model("llama", seed=5).state_dict())
+    manager.update_weights_by_broadcast(source, version=3, bucket_bytes=50_000)
+    for state in manager.states():
+        assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())

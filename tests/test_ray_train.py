@@ -300,3 +300,34 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path):
     train(load_config(small_run_args(tmp_path / "fsdp", 4) + fsdp + ["--load", str(tmp_path / "ckpt")]))
     assert (tmp_path / "ckpt" / "latest").read_text() == "3"
     assert_same_run(read_metrics(tmp_path / "local"), read_metrics(tmp_path / "fsdp"))
+
+
+def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
+    """--sync-transport broadcast: the trainer (the driver, or rank 0 of 2 ranks) broadcasts
+    buckets over a weight-update group to every engine process (2 engines; one engine split over
+    2 tensor-parallel processes). Same run as one process, engines equal to the trainer after
+    every sync, and each sync sends the model once to each engine process."""
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+    from tests.test_train_e2e import small_run_args
+
+    train(load_config(small_run_args(tmp_path / "local", 3)))
+    reference = read_metrics(tmp_path / "local")
+    from miles.models.checkpoint import hf_state_dict
+
+    hf = hf_state_dict(registry.load("tiny")[0])
+    model_bytes = sum(t.numel() * t.element_size() for t in hf.values())
+    common = ["--sync-transport", "broadcast", "--check-weight-update-equal", "--sync-bucket-size", "1000000"]
+    layouts = {
+        "driver": ["--rollout-num-gpus", "2"],
+        "ranks_tp": ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
+    }  # fmt: skip
+    for name, layout in layouts.items():
+        train(load_config(small_run_args(tmp_path / name, 3) + common + layout))
+        got = read_metrics(tmp_path / name)
+        assert_same_run(reference, got, rel=1e-3)
+        synced = [r for r in got if "sync_moved_bytes" in r]
+        assert len(synced) == 3 and all(r["sync_buckets"] > 1 for r in synced)
+        for r in synced:  # payload (with 64-byte alignment) once per engine process
+            assert 2 * model_bytes <= r["sync_moved_bytes"] < 2 * model_bytes * 1.01

@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 
 from miles.rollout import Engine
 from miles.sync import SyncIntegrityError, pack, plan_buckets, unpack
+from miles.sync.group import WeightGroup
 from miles.sync.transports import (
-    broadcast_buckets,
     handles,
     open_handles,
     send_bucketed,
@@ -101,51 +101,63 @@ def test_zero_copy_shares_memory_across_processes():
     child.join(timeout=30)
 
 
-def _broadcast_rank(rank: int, world: int, port: int, corrupt: bool, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    named = list(random_model("llama", seed=5).state_dict().items()) if rank == 0 else None
+def _group_member(rank: int, world: int, port: int, tp_port: int, corrupt: bool, results) -> None:
+    """Rank 0 sends two syncs (seed 5, then seed 6 weights); ranks 1 and 2 are the processes of
+    one tensor-parallel engine, with a default group of their own beside the weight group."""
+    if rank > 0:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(tp_port))
+        dist.init_process_group("gloo", rank=rank - 1, world_size=world - 1)
+    group = WeightGroup("127.0.0.1", port, rank, world, torch.device("cpu"))
+    if corrupt and rank == 0:
+        import miles.sync.group as grp
+
+        original = grp.pack
+
+        def bad_pack(items, checksums=True):
+            flat, meta = original(items, checksums)
+            if any(name == "model.embed_tokens.weight" for name, _ in items):
+                flat = flat.clone()
+                flat[0] ^= 0xFF  # after the checksum was taken: corrupted on the way
+            return flat, meta
+
+        grp.pack = bad_pack
     try:
-        if corrupt and rank == 0:
-            import miles.sync.transports as tr
-
-            original = tr.pack
-
-            def bad_pack(items, checksums=True):
-                flat, meta = original(items, checksums)
-                meta_flat = flat.clone()
-                meta_flat[0] ^= 0xFF
-                return meta_flat, meta
-
-            tr.pack = bad_pack
-        got = broadcast_buckets(named, src=0, bucket_bytes=30_000)
-        if rank != 0:
-            want = random_model("llama", seed=5).state_dict()
-            results.put((rank, all(torch.equal(t, want[n]) for n, t in got), len(got)))
+        for seed in (5,) if corrupt else (5, 6):  # receivers stop after a corrupted sync
+            if rank == 0:
+                stats = group.send(random_model("llama", seed=seed).state_dict().items(), bucket_bytes=30_000)
+                results.put((0, seed, stats.buckets > 1))
+                continue
+            got = {name: t.clone() for bucket in group.receive() for name, t in bucket}
+            want = random_model("llama", seed=seed).state_dict()
+            equal = got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+            results.put((rank, seed, equal))
     except SyncIntegrityError as e:
         results.put((rank, "corrupt", str(e)))
     finally:
-        dist.destroy_process_group()
+        if rank > 0:
+            dist.barrier()  # the engine's own group still works after the weight group's traffic
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
-def test_broadcast_to_engine_ranks(corrupt):
+def test_weight_group_broadcasts_to_engine_processes(corrupt):
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     mp.start_processes(
-        _broadcast_rank, args=(3, free_port(), corrupt, results), nprocs=3, start_method="spawn"
+        _group_member,
+        args=(3, free_port(), free_port(), corrupt, results),
+        nprocs=3,
+        start_method="spawn",
     )
-    n = len(random_model("llama", seed=5).state_dict())
-    if corrupt:  # every rank, the sender included, stops with the names
-        got = sorted(results.get() for _ in range(3))
-        assert [r[0] for r in got] == [0, 1, 2]
-        assert all(
-            r[1] == "corrupt" and "rank(s) [1, 2]" in r[2] and "model.embed_tokens.weight" in r[2]
-            for r in got
-        )
+    got = sorted((results.get() for _ in range(6 if not corrupt else 3)), key=str)
+    if corrupt:  # the sender finishes; both receivers stop with the corrupted tensor's name
+        receivers = [r for r in got if r[0] != 0]
+        assert [r[0] for r in receivers] == [1, 2]
+        assert all(r[1] == "corrupt" and "model.embed_tokens.weight" in r[2] for r in receivers)
         return
-    got = sorted(results.get() for _ in range(2))
-    assert got == [(1, True, n), (2, True, n)]
+    assert got == sorted(
+        [(0, 5, True), (0, 6, True), (1, 5, True), (1, 6, True), (2, 5, True), (2, 6, True)], key=str
+    )
 
 
 def test_check_weight_update_equal_stops_on_a_mismatch():

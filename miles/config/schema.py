@@ -297,6 +297,14 @@ class SyncSection:
         False,
         "engines on this host map the trainer's weights (shared memory on CPU) instead of receiving bytes; falls back to bucketed sync, with one warning, where they cannot",
     )
+    sync_transport: str = option(
+        "auto",
+        "how weights reach Ray rollout engines: object-store (buckets put once into Ray's object store, fetched "
+        "by every engine) | broadcast (the trainer's rank 0 broadcasts buckets over a weight-update group: gloo on "
+        "CPU, NCCL on GPU, as slime does for disaggregated engines) | auto (broadcast on GPUs, object-store on "
+        "CPU). --use-zero-copy-sync takes precedence on one host",
+        choices=("auto", "object-store", "broadcast"),
+    )
     async_weight_sync: bool = option(
         False,
         "one-step off-policy: rollout N+1 runs while step N trains, and step N's weights land in the engine at a "

@@ -92,16 +92,21 @@ def push_weights(
     staging: BucketBuffer | None = None,
     zero_copy: bool = False,
     trainer=None,
+    broadcast_from=None,
 ) -> SyncStats:
     """Send the policy's HF-named tensors to the engine: with `zero_copy`, handles to its shared
     memory; else checksummed buckets of at most `bucket_bytes`. Training ranks on Ray
     (`trainer.publish`) hand their buckets to Ray engines directly, and the driver's `policy` is
-    refreshed only where it is read. With `check_equal`, compare checksums of engine and trainer
-    weights after."""
+    refreshed only where it is read. `broadcast_from` (--sync-transport broadcast): the trainer
+    side of the weight-update group with the Ray engines. With `check_equal`, compare checksums
+    of engine and trainer weights after."""
     t0 = time.perf_counter()
     state = None  # the driver's HF tensors, when a path below needed them
     blob = trainer.share_handles() if zero_copy and hasattr(trainer, "share_handles") else None
-    if blob is not None and hasattr(engine, "update_weights_from_handles"):
+    if broadcast_from is not None and not zero_copy:
+        stats = engine.update_weights_by_broadcast(broadcast_from, version, bucket_bytes)
+        stats.seconds = time.perf_counter() - t0
+    elif blob is not None and hasattr(engine, "update_weights_from_handles"):
         # engines map rank 0's own shared memory: nothing passes through the driver
         engine.update_weights_from_handles(blob, version)
         payload = sum(t.numel() * t.element_size() for t in policy.parameters())
@@ -138,6 +143,24 @@ def push_weights(
                 f"--check-weight-update-equal: engine weights differ from the trainer's after sync: {differ[:5]}"
             )
     return stats
+
+
+def broadcast_source(cfg: RunConfig, trainer, policy, engine):
+    """The trainer side of the weight-update group when weights go to Ray engines by broadcast
+    (--sync-transport; auto picks it on GPUs), else None."""
+    from miles.runtime.ray_rollout import DriverWeightSource, RolloutManager
+
+    choice = cfg.sync.sync_transport
+    if not isinstance(engine, RolloutManager):
+        if choice == "broadcast":
+            log.warning(
+                "--sync-transport broadcast: the engine runs in this process; weights are copied directly"
+            )
+        return None
+    on_gpu = engine.placement is not None and engine.placement.use_gpu
+    if choice == "object-store" or (choice == "auto" and not on_gpu):
+        return None
+    return trainer if hasattr(trainer, "broadcast_weights") else DriverWeightSource(policy)
 
 
 def drop_stale(groups, trainer_version: int, bound: int):
@@ -284,6 +307,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
     )
     staging = BucketBuffer()  # one weight-sync staging buffer for the whole run
+    broadcast_from = broadcast_source(cfg, actor, policy, engine)
     start = resume(cfg, policy, actor, engine, data, metrics)
     last_eval = float("nan")
     if start == 0 and data.eval_items:
@@ -340,6 +364,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
                     staging,
                     zero_copy,
                     trainer=actor,
+                    broadcast_from=broadcast_from,
                 )
                 step.update(
                     sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds

@@ -1,10 +1,12 @@
 """Rollout on Ray: N engine actors behind one manager, with weight sync and fault recovery.
 
 Requests are split across the actors; each actor runs its own continuous-batching `Engine`.
-New weights travel as checksummed buckets put once into Ray's object store and fetched by every
-actor. An actor that dies mid-rollout is restarted by Ray (it reloads the base checkpoint), gets
-the latest weights again, and redoes its unfinished requests: the step's samples stay complete.
-Per-request seeds make the redone samples the same as if nothing had happened.
+New weights travel as checksummed buckets, either put once into Ray's object store and fetched
+by every actor, or broadcast by the trainer over a weight-update group (`miles.sync.group`;
+`--sync-transport broadcast`). An actor that dies mid-rollout is restarted by Ray (it reloads
+the base checkpoint), gets the latest weights again, and redoes its unfinished requests: the
+step's samples stay complete. Per-request seeds make the redone samples the same as if nothing
+had happened.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ray.exceptions import RayActorError
 from miles.data.sample import Sample
 from miles.rollout.engine import Request
 from miles.sync.buckets import BucketMeta, pack, plan_buckets, unpack
+from miles.sync.transports import SyncStats
 
 log = logging.getLogger("miles.ray")
 
@@ -49,6 +52,35 @@ def put_buckets(
     return out
 
 
+class DriverWeightSource:
+    """The weight-update group's sender when the driver process itself trains (one training
+    rank, engines on Ray); `RayTrainer` offers the same methods for its rank 0."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy, self.group = policy, None
+
+    def weight_group_address(self) -> tuple[str, int]:
+        from miles.runtime.placement import free_address
+
+        return free_address()
+
+    def join_weight_group(self, addr: str, port: int, world: int) -> None:
+        from miles.sync.group import WeightGroup
+
+        self.group = None
+        self.group = WeightGroup(addr, port, 0, world, next(self.policy.parameters()).device)
+
+    def broadcast_weights(self, bucket_bytes: int) -> SyncStats:
+        from miles.models.checkpoint import hf_state_dict
+
+        return self.group.send(hf_state_dict(self.policy).items(), bucket_bytes)
+
+    def publish(self, bucket_bytes: int) -> list[tuple[BucketMeta, ray.ObjectRef]]:
+        from miles.models.checkpoint import hf_state_dict
+
+        return put_buckets(hf_state_dict(self.policy).items(), bucket_bytes)
+
+
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)
 class EngineActor:
     """One rollout engine in its own process."""
@@ -70,7 +102,7 @@ class EngineActor:
         from miles.runtime.setup import resolve_device
 
         torch.set_num_threads(threads)
-        dev = resolve_device(device)
+        dev = self.device = resolve_device(device)
         policy, tokenizer = registry.load(model)
         self.tp_rank, self.tp_size = (tp[0], tp[1]) if tp else (0, 1)
         if tp:
@@ -114,6 +146,19 @@ class EngineActor:
         if blob != getattr(self, "_mapped_blob", None):
             self._mapped, self._mapped_blob = open_handles(blob), blob
         self.engine.update_weights(self._mine(self._mapped), version=version)
+        return self.engine.weight_version
+
+    def join_weight_group(self, addr: str, port: int, rank: int, world: int) -> None:
+        """Become rank `rank` of a new weight-update group (any previous one is left)."""
+        from miles.sync.group import WeightGroup
+
+        self._weight_group = None
+        self._weight_group = WeightGroup(addr, port, rank, world, self.device)
+
+    def receive_weights(self, version: int) -> int:
+        """Take one broadcast sync from the weight-update group, bucket by bucket."""
+        for named in self._weight_group.receive():
+            self.engine.update_weights(self._mine(named), version=version)
         return self.engine.weight_version
 
     def release_memory(self) -> int:
@@ -181,6 +226,9 @@ class RolloutManager:
         self.max_retries = max_retries
         self._buckets: list[tuple[BucketMeta, ray.ObjectRef]] = []
         self._handles: bytes | None = None
+        self._source = None  # the trainer side of the weight-update group (--sync-transport broadcast)
+        self._group_formed = False
+        self._bucket_bytes = 512 * 1024**2
         self.placement = None  # set by the executor that reserved the bundles; freed by shutdown()
         self.version = 0
         self.restarts = 0
@@ -197,14 +245,32 @@ class RolloutManager:
     ) -> int:
         """Every actor fetches buckets already in the object store (a training rank put them there);
         they are kept to re-sync an actor that restarts. Returns their count."""
-        self._buckets, self._handles, self.version = buckets, None, version
+        self._buckets, self._handles, self._source, self.version = buckets, None, None, version
         ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
         return len(buckets)
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> None:
         """Zero-copy: every actor maps the trainer's shared memory from the handles in `blob`."""
-        self._buckets, self._handles, self.version = [], blob, version
+        self._buckets, self._handles, self._source, self.version = [], blob, None, version
         ray.get([a.update_weights_from_handles.remote(blob, version) for a in self.actors])
+
+    def update_weights_by_broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
+        """The trainer (`source`, see `DriverWeightSource`) broadcasts its weights to every engine
+        process over the weight-update group; the group is formed on first use, and again after
+        an engine restarted (its old peer is gone)."""
+        self._source, self._bucket_bytes = source, bucket_bytes
+        self._buckets, self._handles, self.version = [], None, version
+        if not self._group_formed:
+            addr, port = source.weight_group_address()
+            world = len(self.actors) + 1
+            joins = [a.join_weight_group.remote(addr, port, i + 1, world) for i, a in enumerate(self.actors)]
+            source.join_weight_group(addr, port, world)
+            ray.get(joins)
+            self._group_formed = True
+        receives = [a.receive_weights.remote(version) for a in self.actors]
+        stats = source.broadcast_weights(bucket_bytes)
+        ray.get(receives)
+        return stats
 
     @property
     def weight_version(self) -> int:
@@ -236,11 +302,15 @@ class RolloutManager:
         """Wait for Ray to restart engine `index` (one actor), then give it the current weights."""
         actor = self.groups[index][0]
         self.restarts += 1
+        self._group_formed = False  # its place in the weight-update group died with it
         deadline = time.time() + 120
         while True:
             try:
                 if self._handles is not None:
                     ray.get(actor.update_weights_from_handles.remote(self._handles, self.version))
+                elif self._source is not None:  # broadcast sync: this one actor via the object store
+                    buckets = self._source.publish(self._bucket_bytes)
+                    ray.get(actor.update_weights.remote(buckets, self.version))
                 elif self._buckets:
                     ray.get(actor.update_weights.remote(self._buckets, self.version))
                 else:

@@ -82,7 +82,8 @@ class TrainerActor:
         cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, cfg.train.global_batch_size)
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
-        self.rank, self.fsdp = rank, cfg.train.data_parallel == "fsdp"
+        self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
+        self._weight_group = None  # --sync-transport broadcast: rank 0 sends to the engines
         self._handles: bytes | None = None  # --use-zero-copy-sync: see share_handles
         if self.fsdp:
             ref = copy.deepcopy(policy) if needs_reference(cfg) else None  # whole, before sharding
@@ -125,6 +126,22 @@ class TrainerActor:
         from miles.models.checkpoint import hf_state_dict
 
         return put_buckets(hf_state_dict(self.actor.model, self._model_state()).items(), bucket_bytes)
+
+    def join_weight_group(self, addr: str, port: int, world: int) -> None:
+        """Rank 0 becomes the sender (rank 0) of a new weight-update group with the engines."""
+        from miles.sync.group import WeightGroup
+
+        self._weight_group = None
+        self._weight_group = WeightGroup(addr, port, 0, world, self.device)
+
+    def broadcast_weights(self, bucket_bytes: int):
+        """Rank 0 broadcasts its weights to the engines (with FSDP every rank joins the gather)."""
+        from miles.models.checkpoint import hf_state_dict
+
+        state = self._model_state()
+        if self.rank == 0:
+            return self._weight_group.send(hf_state_dict(self.actor.model, state).items(), bucket_bytes)
+        return None
 
     def share_handles(self) -> bytes:
         """Zero-copy: this rank's weights moved into shared memory once (the optimizer keeps
@@ -205,6 +222,7 @@ class RayTrainer:
             for f in dataclasses.fields(getattr(cfg, sec.name))
         }
         options = actor_options or [{}] * world
+        self._rank0_options = options[0]
         addr, port = rendezvous(options[0])  # on rank 0's node
         self.ranks = [
             TrainerActor.options(**options[r]).remote(r, world, port, values, addr=addr) for r in range(world)
@@ -256,6 +274,16 @@ class RayTrainer:
     def share_handles(self) -> bytes | None:
         """Handles to rank 0's weights in shared memory (None with FSDP: a rank holds only a shard)."""
         return None if self._collective else ray.get(self.ranks[0].share_handles.remote())
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return rendezvous(self._rank0_options)
+
+    def join_weight_group(self, addr: str, port: int, world: int) -> None:
+        ray.get(self.ranks[0].join_weight_group.remote(addr, port, world))
+
+    def broadcast_weights(self, bucket_bytes: int):
+        """Rank 0 -> every engine over the weight-update group; its `SyncStats`."""
+        return self._from_rank0("broadcast_weights", bucket_bytes)
 
     def publish(self, bucket_bytes: int) -> list:
         """Rank 0's weights as object-store buckets, for `RolloutManager.update_weights_from_buckets`."""

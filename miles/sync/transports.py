@@ -5,7 +5,7 @@
   systems use; kept for the benchmark).
 - `shared_memory` (zero-copy, the CPU analogue of CUDA IPC): the trainer's tensors live in shared
   memory; the engine gets handles of a few hundred bytes and maps the same memory.
-- `broadcast`: buckets over a `torch.distributed` group (gloo on CPU, NCCL on GPU).
+- `broadcast`: buckets over a weight-update group (gloo on CPU, NCCL on GPU): `miles.sync.group`.
 
 Each `send` returns `SyncStats`; the receiving end is anything with `update_weights(items,
 version)` (the rollout engine).
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as tmp  # registers the tensor-sharing reductions with ForkingPickler
 
-from miles.sync.buckets import BucketMeta, SyncIntegrityError, checksum_bytes, pack, plan_buckets, unpack
+from miles.sync.buckets import pack, plan_buckets, unpack
 
 log = logging.getLogger("miles.sync")
 
@@ -131,47 +130,3 @@ def send_shared(named: list[tuple[str, torch.Tensor]], receiver, version: int | 
     else:
         receiver.update_weights(open_handles(blob), version=version)
     return SyncStats(len(named), 1, payload, len(blob), time.perf_counter() - t0)
-
-
-# ---- torch.distributed broadcast ----
-
-
-def broadcast_buckets(
-    named: list[tuple[str, torch.Tensor]] | None, src: int, bucket_bytes: int, group=None
-) -> list[tuple[str, torch.Tensor]]:
-    """Collective: rank `src` sends `named` in buckets; every rank returns the received tensors.
-    Non-source ranks pass named=None. Receivers check every tensor's checksum; if any arrived corrupted,
-    every rank (the sender too) raises `SyncIntegrityError` naming the tensors and the ranks."""
-    rank = dist.get_rank(group)
-    plan = plan_buckets(named, bucket_bytes) if rank == src else None
-    count = [len(plan) if plan is not None else 0]
-    dist.broadcast_object_list(count, src=src, group=group)
-    out: list[tuple[str, torch.Tensor]] = []
-    bad: list[str] = []
-    for i in range(count[0]):
-        if rank == src:
-            flat, meta = pack(plan[i])
-            box: list[BucketMeta | None] = [meta]
-        else:
-            box = [None]
-        dist.broadcast_object_list(box, src=src, group=group)
-        meta = box[0]
-        if rank != src:
-            flat = torch.empty(meta.nbytes, dtype=torch.uint8)
-        dist.broadcast(flat, src=src, group=group)
-        try:
-            out.extend(unpack(flat, meta, verify=rank != src))
-        except SyncIntegrityError:  # keep receiving: the collective must stay in step
-            bad.extend(
-                m.name
-                for m in meta.tensors
-                if checksum_bytes(flat[m.offset : m.offset + m.nbytes]) != m.checksum
-            )
-    reports: list[list[str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, bad, group=group)
-    hit = {r: names for r, names in enumerate(reports) if names}
-    if hit:
-        raise SyncIntegrityError(
-            f"weight broadcast: tensors arrived corrupted on rank(s) {sorted(hit)}: {sorted({n for v in hit.values() for n in v})[:5]}"
-        )
-    return out
