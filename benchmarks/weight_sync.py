@@ -9,7 +9,10 @@ own preallocated weights (what the engine's update_weights does). Transports:
 - one-at-a-time: a copy per tensor handed over alone (in process), and over Ray's object store
   one ray.put/ray.get per tensor (the OpenRLHF-style baseline);
 - bucketed: 512 MiB buckets, checksummed (and without the checksum), in process and over Ray;
-- zero-copy: shared-memory handles (a few hundred bytes per tensor), the receiver maps the memory.
+- zero-copy: shared-memory handles (a few hundred bytes per tensor), the receiver maps the memory;
+- to another process (a Ray actor copying into its own weights, as an engine does), checksummed:
+  Ray object store (`put_buckets`, what `--sync-transport object-store` does) and the
+  weight-update group's gloo broadcast (`--sync-transport broadcast`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,51 @@ def ray_transports(named, repeats):
     return {"ray one-at-a-time": best(one_at_a_time, repeats), "ray bucketed": best(bucketed, repeats)}
 
 
+def to_actor_transports(named, repeats):
+    """Driver -> one engine-like actor in another process, checksummed, both ways the Ray engines use."""
+    import ray
+
+    from miles.runtime.placement import free_address
+    from miles.runtime.ray_rollout import put_buckets
+    from miles.sync.group import WeightGroup
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def __init__(self, sizes):
+            self.sink = Sink([(n, torch.empty(k)) for n, k in sizes])
+
+        def from_store(self, buckets):
+            from miles.runtime.ray_rollout import from_object_store
+
+            for meta, ref in buckets:
+                self.sink.update_weights(unpack(from_object_store(ray.get(ref)), meta))
+
+        def join(self, addr, port):
+            self.group = WeightGroup(addr, port, 1, 2, torch.device("cpu"))
+
+        def from_group(self):
+            for items in self.group.receive():
+                self.sink.update_weights(items)
+
+    actor = Receiver.remote([(n, t.numel()) for n, t in named])
+    addr, port = free_address()
+    joined = actor.join.remote(addr, port)
+    group = WeightGroup(addr, port, 0, 2, torch.device("cpu"))
+    ray.get(joined)
+
+    def store():
+        ray.get(actor.from_store.remote(put_buckets(named, BUCKET)))
+
+    def broadcast():
+        done = actor.from_group.remote()
+        group.send(named, BUCKET)
+        ray.get(done)
+
+    out = {"actor via store": best(store, repeats), "actor via group": best(broadcast, repeats)}
+    ray.kill(actor)
+    return out
+
+
 def measure(mb: int, repeats: int, ray_too: bool) -> None:
     named = model_of(mb)
     nbytes = sum(t.numel() * 4 for _, t in named)
@@ -83,6 +131,7 @@ def measure(mb: int, repeats: int, ray_too: bool) -> None:
     results["zero-copy shm"] = best(lambda: send_shared(named, sink, None), repeats)
     if ray_too:
         results.update(ray_transports(named, repeats))
+        results.update(to_actor_transports(named, repeats))
     line = "  ".join(f"{k} {nbytes / v / 1e9:6.2f}" for k, v in results.items())
     base = results.get("ray one-at-a-time", results["one-at-a-time"])
     print(

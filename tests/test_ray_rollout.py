@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import ray
 import torch
 
@@ -95,3 +96,32 @@ def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     manager.update_weights_by_broadcast(source, version=3, bucket_bytes=50_000)
     for state in manager.states():
         assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_killed_rank_of_a_tensor_parallel_engine_restarts_the_engine(ray_cluster, tmp_path, victim):
+    """One rank of a 2-way tensor-parallel engine killed mid-rollout: the manager stops the
+    other rank too, starts both again at a fresh rendezvous, gives them the current weights and
+    redoes the requests; the samples are the whole model's."""
+    save_model(random_model("qwen3_moe", seed=3), tmp_path / "base")
+    manager = RolloutManager(
+        str(tmp_path / "base"), num_engines=1, max_batch_size=4, max_seq_len=512, tp_size=2
+    )
+    new = random_model("qwen3_moe", seed=4)
+    manager.update_weights(new.state_dict().items(), version=2)
+    old_pids = ray.get([a.pid.remote() for a in manager.actors])
+    reqs = requests_for(12, 300)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
+    worker.start()
+    time.sleep(1.0)  # mid-rollout
+    ray.kill(manager.actors[victim], no_restart=False)
+    worker.join(timeout=240)
+    samples = result["samples"]
+    assert manager.restarts == 1
+    assert not set(ray.get([a.pid.remote() for a in manager.actors])) & set(old_pids)  # both ranks new
+    assert len(samples) == 12 and all(s.weight_versions == [2] for s in samples)
+    local = Engine(new, max_batch_size=4, max_seq_len=512)
+    want = local.generate(requests_for(12, 300))
+    assert [s.tokens for s in samples] == [s.tokens for s in want]
+    manager.shutdown()

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from miles.data.sample import Sample
 from miles.rollout.engine import Request
@@ -194,31 +194,11 @@ class RolloutManager:
     ) -> None:
         """`actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
         engine j is actors j*tp_size .. (j+1)*tp_size - 1."""
-        from miles.runtime.placement import rendezvous
 
-        options = actor_options or [{}] * (num_engines * tp_size)
-        self.tp_size = tp_size
-        self.groups: list[list] = []
-        for j in range(num_engines):
-            members = options[j * tp_size : (j + 1) * tp_size]
-            if tp_size == 1:
-                self.groups.append(
-                    [
-                        EngineActor.options(**members[0]).remote(
-                            model, max_batch_size, max_seq_len, seed, device=device
-                        )
-                    ]
-                )
-                continue
-            addr, port = rendezvous(members[0])
-            self.groups.append(
-                [  # a restarted member could not rejoin its process group: no restarts here
-                    EngineActor.options(**opts, max_restarts=0).remote(
-                        model, max_batch_size, max_seq_len, seed, tp=(r, tp_size, addr, port), device=device
-                    )
-                    for r, opts in enumerate(members)
-                ]
-            )
+        self._options = actor_options or [{}] * (num_engines * tp_size)
+        self._engine_args = (model, max_batch_size, max_seq_len, seed)
+        self.tp_size, self.device = tp_size, device
+        self.groups: list[list] = [self._start_engine(j) for j in range(num_engines)]
         self.actors = [a for g in self.groups for a in g]
         from miles.models.registry import tokenizer_for
 
@@ -232,6 +212,22 @@ class RolloutManager:
         self.placement = None  # set by the executor that reserved the bundles; freed by shutdown()
         self.version = 0
         self.restarts = 0
+
+    def _start_engine(self, j: int) -> list:
+        """Engine j's actors (j*tp_size .. (j+1)*tp_size - 1 of the options); a tensor-parallel
+        engine's ranks meet at a fresh rendezvous on its first rank's node."""
+        from miles.runtime.placement import rendezvous
+
+        members = self._options[j * self.tp_size : (j + 1) * self.tp_size]
+        if self.tp_size == 1:
+            return [EngineActor.options(**members[0]).remote(*self._engine_args, device=self.device)]
+        addr, port = rendezvous(members[0])
+        return [  # a restarted rank could not rejoin its process group: the manager restarts them all
+            EngineActor.options(**opts, max_restarts=0).remote(
+                *self._engine_args, tp=(r, self.tp_size, addr, port), device=self.device
+            )
+            for r, opts in enumerate(members)
+        ]
 
     def update_weights(
         self, named: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int = 512 * 1024**2
@@ -299,27 +295,35 @@ class RolloutManager:
         return out
 
     def _recover(self, index: int) -> None:
-        """Wait for Ray to restart engine `index` (one actor), then give it the current weights."""
-        actor = self.groups[index][0]
+        """Engine `index` lost an actor: wait for Ray to restart it (a one-process engine), or
+        start all its ranks again (a tensor-parallel engine); then give it the current weights."""
         self.restarts += 1
         self._group_formed = False  # its place in the weight-update group died with it
+        if self.tp_size > 1:
+            for a in self.groups[index]:
+                ray.kill(a, no_restart=True)
+            self.groups[index] = self._start_engine(index)
+            self.actors = [a for g in self.groups for a in g]
         deadline = time.time() + 120
         while True:
             try:
-                if self._handles is not None:
-                    ray.get(actor.update_weights_from_handles.remote(self._handles, self.version))
-                elif self._source is not None:  # broadcast sync: this one actor via the object store
-                    buckets = self._source.publish(self._bucket_bytes)
-                    ray.get(actor.update_weights.remote(buckets, self.version))
-                elif self._buckets:
-                    ray.get(actor.update_weights.remote(self._buckets, self.version))
-                else:
-                    ray.get(actor.pid.remote())
+                ray.get(self._resync(self.groups[index]))
                 return
             except RayActorError:
                 if time.time() > deadline:
                     raise
                 time.sleep(0.2)
+
+    def _resync(self, actors: list) -> list[ray.ObjectRef]:
+        """The latest weights to `actors`, by the way the last sync went (a ping before any sync)."""
+        if self._handles is not None:
+            return [a.update_weights_from_handles.remote(self._handles, self.version) for a in actors]
+        buckets = self._buckets
+        if self._source is not None:  # broadcast sync: these actors via the object store
+            buckets = self._source.publish(self._bucket_bytes)
+        if buckets:
+            return [a.update_weights.remote(buckets, self.version) for a in actors]
+        return [a.pid.remote() for a in actors]
 
     def generate(self, requests: Sequence[Request]) -> list[Sample]:
         """All samples, in request order, whatever happens to the actors on the way."""
@@ -336,14 +340,12 @@ class RolloutManager:
             i, refs = next(iter(pending.items()))
             try:
                 samples = ray.get(refs)[0]
-            except RayActorError as e:
-                if self.tp_size > 1:
-                    from miles.errors import MilesError
-
-                    raise MilesError(
-                        f"a rank of tensor-parallel rollout engine {i} died; such engines are not restarted yet. "
-                        "Resume from the last checkpoint with --load"
-                    ) from e
+            except (RayActorError, RayTaskError) as e:
+                # a rank of a tensor-parallel engine can also fail because its peer died
+                if isinstance(e, RayTaskError) and not (
+                    self.tp_size > 1 and isinstance(e.cause, RuntimeError)
+                ):
+                    raise
                 attempts[i] += 1
                 if attempts[i] > self.max_retries:
                     raise
