@@ -97,6 +97,22 @@ def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     for state in manager.states():
         assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
 
+    # an engine that died since the last sync: the broadcast fails, the manager waits for the
+    # restart and syncs every engine through the object store; the sync after re-forms the group
+    victim_pid = ray.get(manager.actors[0].pid.remote())
+    ray.kill(manager.actors[0], no_restart=False)
+    trainer.load_state_dict(random_model("llama", seed=6).state_dict())
+    stats = manager.update_weights_by_broadcast(source, version=4, bucket_bytes=50_000)
+    assert ray.get(manager.actors[0].pid.remote()) != victim_pid and stats.payload_bytes > 0
+    assert all(v == 4 for v, _ in ray.get([a.state.remote() for a in manager.actors]))
+    for state in manager.states():
+        assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
+    trainer.load_state_dict(random_model("llama", seed=7).state_dict())
+    stats = manager.update_weights_by_broadcast(source, version=5, bucket_bytes=50_000)
+    assert stats.moved_bytes == 2 * stats.payload_bytes  # over the group again, to both engines
+    for state in manager.states():
+        assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
+
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_killed_rank_of_a_tensor_parallel_engine_restarts_the_engine(ray_cluster, tmp_path, victim):

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from miles.data.sample import Sample
 from miles.rollout.engine import Request
-from miles.sync.buckets import BucketMeta, pack, plan_buckets, unpack
+from miles.sync.buckets import BucketMeta, SyncIntegrityError, pack, plan_buckets, unpack
 from miles.sync.transports import SyncStats
 
 log = logging.getLogger("miles.ray")
@@ -69,6 +69,10 @@ class DriverWeightSource:
 
         self.group = None
         self.group = WeightGroup(addr, port, 0, world, next(self.policy.parameters()).device)
+
+    def leave_weight_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
 
     def broadcast_weights(self, bucket_bytes: int) -> SyncStats:
         from miles.models.checkpoint import hf_state_dict
@@ -256,6 +260,30 @@ class RolloutManager:
         an engine restarted (its old peer is gone)."""
         self._source, self._bucket_bytes = source, bucket_bytes
         self._buckets, self._handles, self.version = [], None, version
+        try:
+            return self._broadcast(source, version, bucket_bytes)
+        except (RayActorError, RayTaskError, RuntimeError) as e:
+            if isinstance(e, SyncIntegrityError) or isinstance(getattr(e, "cause", None), SyncIntegrityError):
+                raise  # corrupted weights stop the run
+            log.warning(
+                "weight broadcast failed (%s); restarting engines that died and syncing every engine "
+                "through the object store instead",
+                str(e).splitlines()[0][:200],
+            )
+            t0 = time.perf_counter()
+            source.leave_weight_group()  # engines still waiting on the group get an error, not a hang
+            self._group_formed = False
+            self._buckets, self._source = source.publish(bucket_bytes), None
+            for j, group in enumerate(self.groups):
+                try:
+                    ray.get(self._resync(group))
+                except (RayActorError, RayTaskError):
+                    self._recover(j)
+            payload = sum(meta.nbytes for meta, _ in self._buckets)
+            tensors = sum(len(meta.tensors) for meta, _ in self._buckets)
+            return SyncStats(tensors, len(self._buckets), payload, payload, time.perf_counter() - t0)
+
+    def _broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
         if not self._group_formed:
             addr, port = source.weight_group_address()
             world = len(self.actors) + 1
@@ -263,7 +291,11 @@ class RolloutManager:
             source.join_weight_group(addr, port, world)
             ray.get(joins)
             self._group_formed = True
+        # an actor runs one call at a time: with --async-weight-sync a rollout may still be running,
+        # so send only once every engine is past it (the receivers then wait seconds, not a rollout)
+        idle = [a.pid.remote() for a in self.actors]
         receives = [a.receive_weights.remote(version) for a in self.actors]
+        ray.get(idle)
         stats = source.broadcast_weights(bucket_bytes)
         ray.get(receives)
         return stats

@@ -134,6 +134,10 @@ class TrainerActor:
         self._weight_group = None
         self._weight_group = WeightGroup(addr, port, 0, world, self.device)
 
+    def leave_weight_group(self) -> None:
+        if self._weight_group is not None:
+            self._weight_group.close()
+
     def broadcast_weights(self, bucket_bytes: int):
         """Rank 0 broadcasts its weights to the engines (with FSDP every rank joins the gather)."""
         from miles.models.checkpoint import hf_state_dict
@@ -280,6 +284,9 @@ class RayTrainer:
 
     def join_weight_group(self, addr: str, port: int, world: int) -> None:
         ray.get(self.ranks[0].join_weight_group.remote(addr, port, world))
+
+    def leave_weight_group(self) -> None:
+        ray.get(self.ranks[0].leave_weight_group.remote())
 
     def broadcast_weights(self, bucket_bytes: int):
         """Rank 0 -> every engine over the weight-update group; its `SyncStats`."""

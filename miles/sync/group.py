@@ -58,17 +58,25 @@ class WeightGroup:
         """Rank 0: every tensor, in checksummed buckets of at most `bucket_bytes`."""
         stats, t0 = SyncStats(), time.perf_counter()
         plan = plan_buckets(named, bucket_bytes)
-        self._broadcast_bytes(pickle.dumps(len(plan)))
-        for items in plan:
-            flat, meta = pack(items)
-            self._broadcast_bytes(pickle.dumps(meta))
-            self._broadcast(flat.to(self.device))
-            stats.buckets += 1
-            stats.tensors += len(items)
-            stats.payload_bytes += meta.nbytes
-            stats.moved_bytes += meta.nbytes * (self.world - 1)
+        try:
+            self._broadcast_bytes(pickle.dumps(len(plan)))
+            for items in plan:
+                flat, meta = pack(items)
+                self._broadcast_bytes(pickle.dumps(meta))
+                self._broadcast(flat.to(self.device))
+                stats.buckets += 1
+                stats.tensors += len(items)
+                stats.payload_bytes += meta.nbytes
+                stats.moved_bytes += meta.nbytes * (self.world - 1)
+        except Exception:
+            self.close()  # a member died: the others must not wait for buckets that will not come
+            raise
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def close(self) -> None:
+        """Leave the group (its connections close; members still waiting on it get an error)."""
+        self.backend = self.store = None
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Ranks 1..: each bucket's tensors (views into the received buffer, valid until the
