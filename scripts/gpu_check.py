@@ -7,8 +7,9 @@
 3. `miles train --device cuda` (25 steps of the default job, local executor): held-out accuracy
    rises as on CPU (0.33 -> ~0.8), also with zero-copy sync (same-process GPU tensors) and with
    --colocate (trainer state moved to CPU during each rollout, KV cache freed during training);
-4. with 2+ GPUs: 2 training ranks (NCCL; DDP-style and FSDP2) + 2 engines on Ray, and one 2-way
-   tensor-parallel engine.
+4. with 2-4 GPUs (as many as each layout needs): Ray training ranks over NCCL (colocated, with
+   CUDA IPC zero-copy; disaggregated DDP-style and FSDP2), a 2-way tensor-parallel engine, and
+   weights broadcast over the weight-update group (NCCL; auto for disaggregated GPUs).
 Prints one line per check and exits non-zero on the first failure.
 """
 
@@ -124,19 +125,24 @@ def main() -> None:
     default_job_on_cuda([], "default job, --device cuda")
     default_job_on_cuda(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync")
     default_job_on_cuda(["--colocate"], "default job, --device cuda --colocate")
-    if torch.cuda.device_count() >= 2:
-        default_job_on_cuda(
-            ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"], "Ray 2 ranks (NCCL) + 2 engines"
-        )
-        default_job_on_cuda(
-            ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"], "tensor-parallel engine (NCCL)"
-        )
-        default_job_on_cuda(
-            ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"],
-            "Ray 2 FSDP2 ranks (NCCL) + 2 engines",
-        )
-    else:
-        print("SKIP Ray/NCCL checks: they need 2 GPUs")
+    gpus = torch.cuda.device_count()
+    ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)
+        (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate"], "Ray 2 ranks (NCCL) colocated"),
+        (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate", "--use-zero-copy-sync"],
+         "Ray colocated, zero-copy (CUDA IPC between processes)"),
+        (3, ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"], "tensor-parallel engine (NCCL)"),
+        (3, ["--rollout-num-gpus", "2"], "1 rank + 2 engines, weight-update group (NCCL broadcast)"),
+        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"], "Ray 2 ranks + 2 engines (NCCL)"),
+        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"],
+         "Ray 2 FSDP2 ranks + 2 engines (NCCL)"),
+        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--sync-transport", "object-store"],
+         "Ray 2 ranks + 2 engines, object-store sync"),
+    ]  # fmt: skip
+    for need, flags, name in ray_runs:
+        if gpus >= need:
+            default_job_on_cuda(flags, name)
+        else:
+            print(f"SKIP {name}: needs {need} GPUs, {gpus} visible")
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path):
 
 
 def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
-    """--sync-transport broadcast: the trainer (the driver, or rank 0 of 2 ranks) broadcasts
+    """--sync-transport broadcast: the trainer (one rank, or rank 0 of 2 ranks) broadcasts
     buckets over a weight-update group to every engine process (2 engines; one engine split over
     2 tensor-parallel processes). Same run as one process, engines equal to the trainer after
     every sync, and each sync sends the model once to each engine process."""
@@ -320,7 +320,7 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
     model_bytes = sum(t.numel() * t.element_size() for t in hf.values())
     common = ["--sync-transport", "broadcast", "--check-weight-update-equal", "--sync-bucket-size", "1000000"]
     layouts = {
-        "driver": ["--rollout-num-gpus", "2"],
+        "one_rank": ["--rollout-num-gpus", "2"],
         "ranks_tp": ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
     }  # fmt: skip
     for name, layout in layouts.items():

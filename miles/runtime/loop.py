@@ -145,10 +145,10 @@ def push_weights(
     return stats
 
 
-def broadcast_source(cfg: RunConfig, trainer, policy, engine):
+def broadcast_source(cfg: RunConfig, trainer, engine):
     """The trainer side of the weight-update group when weights go to Ray engines by broadcast
-    (--sync-transport; auto picks it on GPUs), else None."""
-    from miles.runtime.ray_rollout import DriverWeightSource, RolloutManager
+    (--sync-transport; auto picks it for disaggregated GPUs), else None."""
+    from miles.runtime.ray_rollout import RolloutManager
 
     choice = cfg.sync.sync_transport
     if not isinstance(engine, RolloutManager):
@@ -158,9 +158,16 @@ def broadcast_source(cfg: RunConfig, trainer, policy, engine):
             )
         return None
     on_gpu = engine.placement is not None and engine.placement.use_gpu
+    if on_gpu and cfg.sync.colocate:  # NCCL refuses two ranks on one GPU
+        if choice == "broadcast":
+            log.warning(
+                "--sync-transport broadcast with --colocate on GPUs: NCCL cannot join a rank and an engine "
+                "on the same GPU; using the object store (--use-zero-copy-sync maps the weights instead)"
+            )
+        return None
     if choice == "object-store" or (choice == "auto" and not on_gpu):
         return None
-    return trainer if hasattr(trainer, "broadcast_weights") else DriverWeightSource(policy)
+    return trainer
 
 
 def drop_stale(groups, trainer_version: int, bound: int):
@@ -221,10 +228,9 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
         tp_size=tp,
         device=cfg.model.device,
     )
-    if ranks == 1:  # the driver trains (on the device it sees); its bundle stays reserved for it
-        trainer = Actor(policy.to(resolve_device(cfg.model.device)), cfg)
-    else:
-        trainer = RayTrainer(cfg, policy, ranks, [placement.options(b) for b in layout.train_bundles])
+    # training runs in actors even for one rank: each gets its own device from its bundle (a
+    # driver on "cuda:0" could share a GPU with an engine, and NCCL refuses two ranks on one GPU)
+    trainer = RayTrainer(cfg, policy, ranks, [placement.options(b) for b in layout.train_bundles])
     manager.placement = placement  # freed with the engines (training ranks die with it)
     manager.update_weights(hf_state_dict(policy).items(), version=0)  # the engines start from the policy
     return trainer, manager
@@ -307,7 +313,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
     )
     staging = BucketBuffer()  # one weight-sync staging buffer for the whole run
-    broadcast_from = broadcast_source(cfg, actor, policy, engine)
+    broadcast_from = broadcast_source(cfg, actor, engine)
     start = resume(cfg, policy, actor, engine, data, metrics)
     last_eval = float("nan")
     if start == 0 and data.eval_items:

@@ -53,8 +53,9 @@ def put_buckets(
 
 
 class DriverWeightSource:
-    """The weight-update group's sender when the driver process itself trains (one training
-    rank, engines on Ray); `RayTrainer` offers the same methods for its rank 0."""
+    """The weight-update group's sender for a model in this process (a script or notebook that
+    drives a `RolloutManager` itself); `miles train`'s `RayTrainer` offers the same methods for
+    its rank 0."""
 
     def __init__(self, policy: torch.nn.Module) -> None:
         self.policy, self.group = policy, None
