@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from miles.errors import CheckpointError
 from miles.models.config import ModelConfig
 from miles.models.linear import LinearFactory, default_linear
-from miles.models.transformer import Transformer
+from miles.models.transformer import Transformer, rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,7 +70,13 @@ def tensor_files(path: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def read_tensors(path: Path, files: dict[str, Path], names: Iterable[str]) -> dict[str, torch.Tensor]:
+def read_tensors(
+    path: Path, files: dict[str, Path], names: Iterable[str], tp: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """The named tensors; with `tp` = (rank, world), only that tensor-parallel rank's part of
+    each split tensor is read from disk (see `miles.models.tensor_parallel`)."""
+    from miles.models.tensor_parallel import shard, split_dim
+
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
@@ -79,7 +85,16 @@ def read_tensors(path: Path, files: dict[str, Path], names: Iterable[str]) -> di
         try:
             with safe_open(file, "pt") as f:
                 for name in file_names:
-                    out[name] = f.get_tensor(name)
+                    dim = split_dim(name) if tp is not None else None
+                    if tp is None:
+                        out[name] = f.get_tensor(name)
+                    elif dim is None:
+                        out[name] = shard(name, f.get_tensor(name), *tp)  # whole, or a zeroed row bias
+                    else:
+                        part = f.get_slice(name)
+                        n = part.get_shape()[dim] // tp[1]
+                        rows = slice(tp[0] * n, (tp[0] + 1) * n)
+                        out[name] = part[rows] if dim == 0 else part[:, rows]
         except Exception as e:  # a truncated or corrupt file
             raise CheckpointError(f"{file}: cannot be read as safetensors ({e})") from e
     return out
@@ -116,17 +131,31 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     make_linear: LinearFactory = default_linear,
+    tp: tuple[int, int] | None = None,
 ) -> Transformer:
-    """Load a Hugging Face checkpoint directory or a `.gguf` file into a miles `Transformer`."""
+    """Load a Hugging Face checkpoint directory or a `.gguf` file into a miles `Transformer`.
+    With `tp` = (rank, world): that rank's tensor-parallel part, reading only its slices of the
+    split tensors (the whole model is never built; forward needs the engine's process group)."""
+    from miles.models.tensor_parallel import shard_model
+
     path = Path(path)
     if path.suffix == ".gguf":
         from miles.models.gguf import load_gguf
 
-        return load_gguf(path, device=device, dtype=dtype, make_linear=make_linear)
+        model = load_gguf(path, device=device, dtype=dtype, make_linear=make_linear)
+        return shard_model(model, *tp) if tp is not None else model
     config = read_config(path)
     files = tensor_files(path)
-    state = read_tensors(path, files, files.keys())
-    model = Transformer(config, make_linear)
+    state = read_tensors(path, files, files.keys(), tp=tp)
+    if tp is None:
+        model = Transformer(config, make_linear)
+    else:
+        with torch.device("meta"):  # shapes only, then storage for this rank's part alone
+            model = shard_model(Transformer(config, make_linear), *tp)
+        model.to_empty(device="cpu")  # gives every parameter its own storage: tie lm_head again
+        model.inv_freq = rope_inv_freq(model.config)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
     source = str(path / INDEX_FILE) if (path / INDEX_FILE).exists() else str(path / SINGLE_FILE)
     load_state_dict_into(model, state, source)
     return model.to(device=device, dtype=dtype)

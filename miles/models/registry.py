@@ -53,18 +53,26 @@ def tokenizer_for(spec: str):
 
 
 def load(
-    spec: str, device: str | torch.device = "cpu", make_linear: LinearFactory = default_linear, seed: int = 0
+    spec: str,
+    device: str | torch.device = "cpu",
+    make_linear: LinearFactory = default_linear,
+    seed: int = 0,
+    tp: tuple[int, int] | None = None,
 ) -> tuple[Transformer, object]:
-    """(model, tokenizer) for `--model spec`; tokenizer is None for a checkpoint without one."""
+    """(model, tokenizer) for `--model spec`; tokenizer is None for a checkpoint without one.
+    `tp` = (rank, world): that tensor-parallel rank's part (`load_model`)."""
     path = model_path(spec)
     if path is None:
+        from miles.models.tensor_parallel import shard_model
+
         tokenizer = byte_tokenizer()
         config = tiny_moe_config(vocab_size=len(tokenizer))
         config.eos_token_id = tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
-        return Transformer(config, make_linear).init_weights(seed=seed).to(device), tokenizer
+        model = Transformer(config, make_linear).init_weights(seed=seed)
+        return (shard_model(model, *tp) if tp is not None else model).to(device), tokenizer
     has_tokenizer = path.suffix == ".gguf" or any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     )
     tokenizer = load_tokenizer(path) if has_tokenizer else None  # token-id-only use needs none
-    return load_model(path, device=device, make_linear=make_linear), tokenizer
+    return load_model(path, device=device, make_linear=make_linear, tp=tp), tokenizer

@@ -224,6 +224,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (derived from the config, never stored in checkpoints)."""
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+
+
 class Transformer(nn.Module):
     """A causal LM. `forward` handles padded batches (full sequences) and KV-cache decoding."""
 
@@ -234,10 +239,7 @@ class Transformer(nn.Module):
         self.lm_head = make_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> Transformer:
         """Random initialisation as in transformers (normal(0, std), norms at 1, biases at 0)."""

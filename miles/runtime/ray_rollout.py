@@ -108,12 +108,9 @@ class EngineActor:
 
         torch.set_num_threads(threads)
         dev = self.device = resolve_device(device)
-        policy, tokenizer = registry.load(model)
         self.tp_rank, self.tp_size = (tp[0], tp[1]) if tp else (0, 1)
         if tp:
             import torch.distributed as dist
-
-            from miles.models.tensor_parallel import shard_model
 
             dist.init_process_group(
                 "nccl" if dev.type == "cuda" else "gloo",
@@ -121,7 +118,8 @@ class EngineActor:
                 rank=self.tp_rank,
                 world_size=self.tp_size,
             )
-            shard_model(policy, self.tp_rank, self.tp_size)
+        # a tensor-parallel rank reads only its own part of the checkpoint
+        policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
         self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
 
