@@ -66,6 +66,13 @@ def test_killed_engine_is_restarted_and_the_step_completes(ray_cluster, tmp_path
     local = Engine(new, max_batch_size=4, max_seq_len=512)
     assert [s.tokens for s in samples] == [s.tokens for s in local.generate(requests_for(40, 400))]
 
+    # killed between syncs: the next sync restarts it instead of stopping the run
+    ray.kill(manager.actors[0], no_restart=False)
+    newer = random_model("llama", seed=5)
+    manager.update_weights(newer.state_dict().items(), version=3)
+    for state in manager.states():
+        assert all(torch.equal(state[k], v) for k, v in newer.state_dict().items())
+
 
 def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     """Weights broadcast over the weight-update group; an engine killed mid-rollout comes back

@@ -245,13 +245,13 @@ class RolloutManager:
         """Every actor fetches buckets already in the object store (a training rank put them there);
         they are kept to re-sync an actor that restarts. Returns their count."""
         self._buckets, self._handles, self._source, self.version = buckets, None, None, version
-        ray.get([a.update_weights.remote(buckets, version) for a in self.actors])
+        self._sync_every_engine()
         return len(buckets)
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> None:
         """Zero-copy: every actor maps the trainer's shared memory from the handles in `blob`."""
         self._buckets, self._handles, self._source, self.version = [], blob, None, version
-        ray.get([a.update_weights_from_handles.remote(blob, version) for a in self.actors])
+        self._sync_every_engine()
 
     def update_weights_by_broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
         """The trainer (`source`, see `DriverWeightSource`) broadcasts its weights to every engine
@@ -273,14 +273,23 @@ class RolloutManager:
             source.leave_weight_group()  # engines still waiting on the group get an error, not a hang
             self._group_formed = False
             self._buckets, self._source = source.publish(bucket_bytes), None
-            for j, group in enumerate(self.groups):
-                try:
-                    ray.get(self._resync(group))
-                except (RayActorError, RayTaskError):
-                    self._recover(j)
+            self._sync_every_engine()
             payload = sum(meta.nbytes for meta, _ in self._buckets)
             tensors = sum(len(meta.tensors) for meta, _ in self._buckets)
             return SyncStats(tensors, len(self._buckets), payload, payload, time.perf_counter() - t0)
+
+    def _sync_every_engine(self) -> None:
+        """Every engine takes the latest weights (as `_resync` sends them); one that died since
+        the last call is restarted and synced again, so a sync never stops the run for it."""
+        refs = [self._resync(group) for group in self.groups]
+        for j, engine_refs in enumerate(refs):
+            try:
+                ray.get(engine_refs)
+            except (RayActorError, RayTaskError) as e:
+                if isinstance(e, RayTaskError) and not isinstance(e.cause, RuntimeError):
+                    raise  # a bug or corrupted weights, not a dead process
+                log.warning("rollout engine %d died before a weight sync; restarting it", j)
+                self._recover(j)
 
     def _broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
         if not self._group_formed:
