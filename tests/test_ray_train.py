@@ -331,3 +331,26 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
         assert len(synced) == 3 and all(r["sync_buckets"] > 1 for r in synced)
         for r in synced:  # payload (with 64-byte alignment) once per engine process
             assert 2 * model_bytes <= r["sync_moved_bytes"] < 2 * model_bytes * 1.01
+
+
+def test_fsdp_sharded_state_is_not_moved_by_hand(caplog):
+    """Colocated offload moves plain tensors only: FSDP2's DTensors stay put (one warning), since
+    moving their storage by hand would leave FSDP's own views on the device."""
+    import os
+
+    import torch.distributed as dist
+
+    from miles.runtime.ray_train import shard_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        cfg = make_config({"model": "tiny-random"})
+        plain = Actor(registry.load("tiny-random")[0], cfg)
+        sharded_model = registry.load("tiny-random")[0]
+        shard_fsdp(sharded_model, torch.device("cpu"))
+        sharded = Actor(sharded_model, cfg)
+        assert plain._can_offload() and not sharded._can_offload() and not sharded._can_offload()
+        assert sum("--data-parallel fsdp" in r.message for r in caplog.records) == 1
+    finally:
+        dist.destroy_process_group()

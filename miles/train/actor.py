@@ -9,6 +9,7 @@ are never updated with NaN.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.models.transformer import Transformer
 from miles.train.logprobs import PackedBatch, forward_logprobs, pack
+
+log = logging.getLogger("miles")
 
 
 def lr_lambda(cfg: RunConfig):
@@ -101,11 +104,30 @@ class Actor:
     def offload(self) -> int:
         """Move weights, gradients and optimizer state (and the reference model) to CPU while a
         colocated engine uses the GPU; bytes moved. Nothing to do when training runs on CPU."""
-        return self._move_to(torch.device("cpu")) if self.device.type != "cpu" else 0
+        if self.device.type == "cpu" or not self._can_offload():
+            return 0
+        return self._move_to(torch.device("cpu"))
 
     def onload(self) -> int:
         """Bring everything `offload` moved back to the training device."""
-        return self._move_to(self.device) if self.device.type != "cpu" else 0
+        if self.device.type == "cpu" or not self._can_offload():
+            return 0
+        return self._move_to(self.device)
+
+    def _can_offload(self) -> bool:
+        """Plain tensors only: FSDP2's sharded DTensors are managed by FSDP, and moving their
+        storage by hand would leave FSDP's own views on the device (said once, then skipped)."""
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            if not getattr(self, "_said_no_offload", False):
+                log.warning(
+                    "--colocate with --data-parallel fsdp: the trainer's sharded state stays on the GPU during "
+                    "rollouts (only the engines free memory); use --data-parallel ddp to offload it too"
+                )
+                self._said_no_offload = True
+            return False
+        return True
 
     @torch.no_grad()
     def _move_to(self, device: torch.device) -> int:
