@@ -26,6 +26,22 @@ def requests_for(n: int, new_tokens: int) -> list[Request]:
     ]
 
 
+def generate_killing(manager: RolloutManager, reqs: list[Request], victim: int, after_s: float):
+    """The manager's samples for `reqs`, with actor `victim` killed `after_s` seconds in."""
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
+    worker.start()
+    time.sleep(after_s)  # mid-rollout
+    ray.kill(manager.actors[victim], no_restart=False)
+    worker.join(timeout=240)
+    return result["samples"]
+
+
+def assert_engines_hold(manager: RolloutManager, state: dict[str, torch.Tensor]) -> None:
+    for engine_state in manager.states():
+        assert all(torch.equal(engine_state[k], v) for k, v in state.items())
+
+
 def test_actors_match_local_engine_and_take_weight_updates(ray_cluster, tmp_path):
     base = random_model("qwen3_moe", seed=1)
     save_model(base, tmp_path / "base")
@@ -52,14 +68,7 @@ def test_killed_engine_is_restarted_and_the_step_completes(ray_cluster, tmp_path
     new = random_model("llama", seed=4)
     manager.update_weights(new.state_dict().items(), version=2)
     victim_pid = ray.get(manager.actors[1].pid.remote())
-    reqs = requests_for(40, 400)
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
-    worker.start()
-    time.sleep(0.5)  # mid-rollout
-    ray.kill(manager.actors[1], no_restart=False)
-    worker.join(timeout=240)
-    samples = result["samples"]
+    samples = generate_killing(manager, requests_for(40, 400), victim=1, after_s=0.5)
     assert manager.restarts == 1 and ray.get(manager.actors[1].pid.remote()) != victim_pid
     assert len(samples) == 40 and all(s.response_length == 400 for s in samples)
     assert all(s.weight_versions == [2] for s in samples)  # the restarted actor got the new weights
@@ -70,8 +79,7 @@ def test_killed_engine_is_restarted_and_the_step_completes(ray_cluster, tmp_path
     ray.kill(manager.actors[0], no_restart=False)
     newer = random_model("llama", seed=5)
     manager.update_weights(newer.state_dict().items(), version=3)
-    for state in manager.states():
-        assert all(torch.equal(state[k], v) for k, v in newer.state_dict().items())
+    assert_engines_hold(manager, newer.state_dict())
 
 
 def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
@@ -86,14 +94,7 @@ def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     source = DriverWeightSource(trainer)
     stats = manager.update_weights_by_broadcast(source, version=2, bucket_bytes=50_000)
     assert stats.buckets > 1
-    reqs = requests_for(40, 400)
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
-    worker.start()
-    time.sleep(0.5)  # mid-rollout
-    ray.kill(manager.actors[1], no_restart=False)
-    worker.join(timeout=240)
-    samples = result["samples"]
+    samples = generate_killing(manager, requests_for(40, 400), victim=1, after_s=0.5)
     assert manager.restarts == 1 and len(samples) == 40
     assert all(s.weight_versions == [2] for s in samples)
     local = Engine(random_model("llama", seed=4), max_batch_size=4, max_seq_len=512)
@@ -101,8 +102,7 @@ def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
 
     trainer.load_state_dict(random_model("llama", seed=5).state_dict())
     manager.update_weights_by_broadcast(source, version=3, bucket_bytes=50_000)
-    for state in manager.states():
-        assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
+    assert_engines_hold(manager, trainer.state_dict())
 
     # an engine that died since the last sync: the broadcast fails, the manager waits for the
     # restart and syncs every engine through the object store; the sync after re-forms the group
@@ -112,13 +112,11 @@ def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     stats = manager.update_weights_by_broadcast(source, version=4, bucket_bytes=50_000)
     assert ray.get(manager.actors[0].pid.remote()) != victim_pid and stats.payload_bytes > 0
     assert all(v == 4 for v, _ in ray.get([a.state.remote() for a in manager.actors]))
-    for state in manager.states():
-        assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
+    assert_engines_hold(manager, trainer.state_dict())
     trainer.load_state_dict(random_model("llama", seed=7).state_dict())
     stats = manager.update_weights_by_broadcast(source, version=5, bucket_bytes=50_000)
     assert stats.moved_bytes == 2 * stats.payload_bytes  # over the group again, to both engines
-    for state in manager.states():
-        assert all(torch.equal(state[k], v) for k, v in trainer.state_dict().items())
+    assert_engines_hold(manager, trainer.state_dict())
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -133,14 +131,7 @@ def test_killed_rank_of_a_tensor_parallel_engine_restarts_the_engine(ray_cluster
     new = random_model("qwen3_moe", seed=4)
     manager.update_weights(new.state_dict().items(), version=2)
     old_pids = ray.get([a.pid.remote() for a in manager.actors])
-    reqs = requests_for(12, 300)
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
-    worker.start()
-    time.sleep(1.0)  # mid-rollout
-    ray.kill(manager.actors[victim], no_restart=False)
-    worker.join(timeout=240)
-    samples = result["samples"]
+    samples = generate_killing(manager, requests_for(12, 300), victim=victim, after_s=1.0)
     assert manager.restarts == 1
     assert not set(ray.get([a.pid.remote() for a in manager.actors])) & set(old_pids)  # both ranks new
     assert len(samples) == 12 and all(s.weight_versions == [2] for s in samples)
