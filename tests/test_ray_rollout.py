@@ -139,3 +139,23 @@ def test_killed_rank_of_a_tensor_parallel_engine_restarts_the_engine(ray_cluster
     want = local.generate(requests_for(12, 300))
     assert [s.tokens for s in samples] == [s.tokens for s in want]
     manager.shutdown()
+
+
+def test_weights_land_mid_rollout_between_decoding_steps(ray_cluster, tmp_path):
+    """An update sent while an engine actor is generating (--async-weight-sync) does not wait for
+    the rollout: it lands between two decoding steps, so running requests list both versions,
+    and the engine ends with exactly the new weights."""
+    save_model(random_model("llama", seed=3), tmp_path / "base")
+    manager = RolloutManager(str(tmp_path / "base"), num_engines=1, max_batch_size=4, max_seq_len=512)
+    manager.update_weights(random_model("llama", seed=4).state_dict().items(), version=1)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(requests_for(40, 400))))
+    worker.start()
+    time.sleep(0.5)  # mid-rollout
+    new = random_model("llama", seed=5)
+    manager.update_weights(new.state_dict().items(), version=2, bucket_bytes=20_000)  # several buckets
+    assert worker.is_alive()  # returned before the rollout ended
+    worker.join(timeout=240)
+    versions = [s.weight_versions for s in result["samples"]]
+    assert [1, 2] in versions and all(v in ([1], [1, 2], [2]) for v in versions)
+    assert_engines_hold(manager, new.state_dict())

@@ -354,3 +354,30 @@ def test_fsdp_sharded_state_is_not_moved_by_hand(caplog):
         assert sum("--data-parallel fsdp" in r.message for r in caplog.records) == 1
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("transport", ["object-store", "broadcast"])
+def test_async_sync_on_ray_engines(ray_cluster, tmp_path, monkeypatch, transport):
+    """--async-weight-sync with engine actors: step N's weights reach the engines while rollout
+    N+1 runs (between decoding steps), so staleness is 0 or 1 and 1 occurs; the engines equal the
+    trainer after every sync."""
+    from miles.config import load_config
+    from miles.runtime import loop
+    from miles.runtime.metrics import read_metrics
+    from tests.test_train_e2e import small_run_args
+
+    seen = []
+    real = loop.drop_stale
+
+    def spy(groups, trainer_version, bound):
+        kept, dropped = real(groups, trainer_version, bound)
+        seen.extend(s.metadata["staleness"] for g in groups for s in g)
+        return kept, dropped
+
+    monkeypatch.setattr(loop, "drop_stale", spy)
+    flags = ["--async-weight-sync", "--rollout-num-gpus", "2", "--sync-transport", transport]
+    loop.train(load_config(small_run_args(tmp_path, 5) + flags + ["--check-weight-update-equal"]))
+    records = read_metrics(tmp_path)
+    assert [r["rollout"] for r in records] == [-1, 0, 1, 2, 3, 4]
+    assert all("pg_loss" in r and r["stale_dropped"] == 0 for r in records if r["rollout"] >= 0)
+    assert set(seen) <= {0, 1} and 1 in seen  # one step off-policy, never more

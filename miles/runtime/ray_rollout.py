@@ -135,9 +135,10 @@ class EngineActor:
         return self.engine.generate(requests)
 
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
-        for meta, ref in buckets:
-            flat = ref if isinstance(ref, torch.Tensor) else from_object_store(ray.get(ref))
-            self.engine.update_weights(self._mine(unpack(flat, meta)), version=version)
+        with self.engine.paused():  # all buckets land between the same two decoding steps
+            for meta, ref in buckets:
+                flat = ref if isinstance(ref, torch.Tensor) else from_object_store(ray.get(ref))
+                self.engine.update_weights(self._mine(unpack(flat, meta)), version=version)
         return self.engine.weight_version
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> int:
@@ -160,8 +161,9 @@ class EngineActor:
 
     def receive_weights(self, version: int) -> int:
         """Take one broadcast sync from the weight-update group, bucket by bucket."""
-        for named in self._weight_group.receive():
-            self.engine.update_weights(self._mine(named), version=version)
+        with self.engine.paused():
+            for named in self._weight_group.receive():
+                self.engine.update_weights(self._mine(named), version=version)
         return self.engine.weight_version
 
     def release_memory(self) -> int:
@@ -222,10 +224,16 @@ class RolloutManager:
         from miles.runtime.placement import rendezvous
 
         members = self._options[j * self.tp_size : (j + 1) * self.tp_size]
-        if self.tp_size == 1:
-            return [EngineActor.options(**members[0]).remote(*self._engine_args, device=self.device)]
+        if self.tp_size == 1:  # two threads: a weight update lands mid-rollout, between decoding steps
+            return [
+                EngineActor.options(**members[0], max_concurrency=2).remote(
+                    *self._engine_args, device=self.device
+                )
+            ]
         addr, port = rendezvous(members[0])
-        return [  # a restarted rank could not rejoin its process group: the manager restarts them all
+        # one thread: the ranks must swap weights at the same step (an update waits for the rollout);
+        # a restarted rank could not rejoin its process group: the manager restarts them all
+        return [
             EngineActor.options(**opts, max_restarts=0).remote(
                 *self._engine_args, tp=(r, self.tp_size, addr, port), device=self.device
             )
