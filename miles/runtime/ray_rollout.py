@@ -294,10 +294,14 @@ class RolloutManager:
             try:
                 ray.get(engine_refs)
             except (RayActorError, RayTaskError) as e:
-                if isinstance(e, RayTaskError) and not isinstance(e.cause, RuntimeError):
+                if not self._engine_died(e):
                     raise  # a bug or corrupted weights, not a dead process
                 log.warning("rollout engine %d died before a weight sync; restarting it", j)
                 self._recover(j)
+
+    def _engine_died(self, e: Exception) -> bool:
+        """An actor's process is gone, or (tensor-parallel) a rank failed because its peer died."""
+        return isinstance(e, RayActorError) or (self.tp_size > 1 and isinstance(e.cause, RuntimeError))
 
     def _broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
         if not self._group_formed:
@@ -307,8 +311,8 @@ class RolloutManager:
             source.join_weight_group(addr, port, world)
             ray.get(joins)
             self._group_formed = True
-        # an actor runs one call at a time: with --async-weight-sync a rollout may still be running,
-        # so send only once every engine is past it (the receivers then wait seconds, not a rollout)
+        # a tensor-parallel engine's ranks run one call at a time: with --async-weight-sync a rollout
+        # may still run there, so send once every engine can receive (nobody waits out a rollout)
         idle = [a.pid.remote() for a in self.actors]
         receives = [a.receive_weights.remote(version) for a in self.actors]
         ray.get(idle)
@@ -389,10 +393,7 @@ class RolloutManager:
             try:
                 samples = ray.get(refs)[0]
             except (RayActorError, RayTaskError) as e:
-                # a rank of a tensor-parallel engine can also fail because its peer died
-                if isinstance(e, RayTaskError) and not (
-                    self.tp_size > 1 and isinstance(e.cause, RuntimeError)
-                ):
+                if not self._engine_died(e):
                     raise
                 attempts[i] += 1
                 if attempts[i] > self.max_retries:
