@@ -24,7 +24,11 @@ def option(
 NOT_YET_FP8 = "FP8 training/rollout is not built yet (planned: miles.quant)"
 NOT_YET_INT4 = "INT4 QAT is not built yet (planned: miles.quant)"
 NOT_YET_SPEC = "speculative rollout with a draft model is not built yet"
-NOT_YET_DIST = "the Ray executor and weight-sync subsystem are not built yet; miles runs one local process"
+NOT_YET_EP = (
+    "expert parallelism is not built yet; to fit a large MoE, --data-parallel fsdp shards the experts (with "
+    "their gradients and optimizer state) over the training ranks, and --rollout-num-gpus-per-engine splits "
+    "every expert over an engine's GPUs"
+)
 NOT_YET_MA = "multi-agent co-evolution is not built yet"
 NOT_YET_PROFILE = "profiling is not built yet"
 NOT_YET_MOE = "not built yet for miles' MoE layers"

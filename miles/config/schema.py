@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.config.fields import (
-    NOT_YET_DIST,
+    NOT_YET_EP,
     NOT_YET_FP8,
     NOT_YET_INT4,
     NOT_YET_MA,
@@ -211,8 +211,8 @@ class TrainSection:
     moe_capacity_factor: float | None = option(
         None, "expert capacity", aliases=("moe_expert_capacity_factor",), available=NOT_YET_MOE
     )
-    expert_model_parallel_size: int = option(1, "expert parallelism", available=NOT_YET_DIST)
-    offload_experts: bool = option(False, "offload experts to CPU", available=NOT_YET_DIST)
+    expert_model_parallel_size: int = option(1, "expert parallelism", available=NOT_YET_EP)
+    offload_experts: bool = option(False, "offload experts to CPU", available=NOT_YET_EP)
 
 
 @dataclass
