@@ -240,3 +240,27 @@ def test_verify_logprobs_stops_a_run_whose_mismatch_exceeds_the_threshold(tmp_pa
         train(load_config(args))
     train(load_config(small_run_args(tmp_path / "default", 2) + ["--verify-logprobs"]))
     assert [r["rollout"] for r in read_metrics(tmp_path / "default")] == [-1, 0, 1]
+
+
+def test_profile_writes_a_trace_of_the_marked_phases(tmp_path):
+    """--profile-dir (implies --profile): a Chrome trace holding the three phases of the recorded
+    steps and the operators run inside them, and a summary table of the top operators."""
+    import json
+
+    args = small_run_args(tmp_path / "run", 3) + ["--rollout-batch-size", "2", "--eval-size", "0"]
+    cfg = load_config(args + ["--profile-dir", str(tmp_path / "prof")])
+    assert cfg.logging.profile
+    train(cfg)
+    events = json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
+    names = [e.get("name", "") for e in events]
+    for phase in ("miles.rollout", "miles.train", "miles.sync"):
+        assert names.count(phase) == 2, phase  # the two active steps, not the warm-up one
+    train_spans = [e for e in events if e.get("name") == "miles.train"]
+    inside = [  # matmuls recorded inside a train phase
+        e for e in events
+        if e.get("name") in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")
+        and any(t["ts"] <= e["ts"] <= t["ts"] + t["dur"] for t in train_spans)
+    ]  # fmt: skip
+    assert inside
+    summary = (tmp_path / "prof" / "summary.txt").read_text()
+    assert "Self CPU" in summary and "aten::" in summary

@@ -30,5 +30,4 @@ NOT_YET_EP = (
     "every expert over an engine's GPUs"
 )
 NOT_YET_MA = "multi-agent co-evolution is not built yet"
-NOT_YET_PROFILE = "profiling is not built yet"
 NOT_YET_MOE = "not built yet for miles' MoE layers"

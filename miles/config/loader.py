@@ -338,6 +338,8 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         )
     if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
         cfg.logging.log_level = "DEBUG"
+    if cfg.logging.profile_dir:
+        cfg.logging.profile = True  # asking where profiles go asks for one
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from miles.config.fields import (
     NOT_YET_INT4,
     NOT_YET_MA,
     NOT_YET_MOE,
-    NOT_YET_PROFILE,
     NOT_YET_SPEC,
     option,
 )
@@ -241,8 +240,12 @@ class LoggingSection:
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
     )
     progress: bool = option(True, "show a progress display")
-    profile: bool = option(False, "record a profile", available=NOT_YET_PROFILE)
-    profile_dir: str | None = option(None, "where profiles go", available=NOT_YET_PROFILE)
+    profile: bool = option(
+        False,
+        "record a torch.profiler trace of RL steps 2-3 (after one warm-up step), phases marked miles.rollout / "
+        "miles.train / miles.sync: trace.json for Perfetto or chrome://tracing, and summary.txt, the top operators",
+    )
+    profile_dir: str | None = option(None, "where --profile writes (default: <run dir>/profile)")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from miles.rollout.engine import Engine
 from miles.rollout.rollout import generate_groups, rollout
 from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
 from miles.runtime.metrics import MetricsLogger
+from miles.runtime.profiling import StepProfiler
 from miles.runtime.setup import build_data, resolve_device, run_dir_for
 from miles.sync.buckets import checksum
 from miles.sync.transports import (
@@ -339,18 +340,22 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
     def start_rollout(rid: int):  # prompts are taken here, in order, so checkpoints know the position
         return pool.submit(rollout, engine, data.train.take(draw), cfg, rewards, rid, keep)
 
+    profiler = StepProfiler(
+        Path(cfg.logging.profile_dir or run_dir / "profile") if cfg.logging.profile else None
+    )
     for rollout_id in bar:
         t0 = time.perf_counter()
         colocated = cfg.sync.colocate and pool is None
         offloaded = actor.offload() if colocated else 0  # the engines get the devices for rollout
-        if pool is None:
-            groups, step = rollout(engine, data.train.take(draw), cfg, rewards, rollout_id, keep)
-        else:
-            groups, step = (ahead or start_rollout(rollout_id)).result()
-            ahead = start_rollout(rollout_id + 1) if rollout_id + 1 < cfg.rollout.num_rollout else None
-            groups, step["stale_dropped"] = drop_stale(
-                groups, trainer_version=rollout_id, bound=cfg.sync.max_staleness
-            )
+        with profiler.phase("miles.rollout"):
+            if pool is None:
+                groups, step = rollout(engine, data.train.take(draw), cfg, rewards, rollout_id, keep)
+            else:
+                groups, step = (ahead or start_rollout(rollout_id)).result()
+                ahead = start_rollout(rollout_id + 1) if rollout_id + 1 < cfg.rollout.num_rollout else None
+                groups, step["stale_dropped"] = drop_stale(
+                    groups, trainer_version=rollout_id, bound=cfg.sync.max_staleness
+                )
         t1 = time.perf_counter()
         if colocated:  # training has the devices now: engines free their KV cache, the trainer returns
             step["rollout_memory_released_bytes"] = engine.release_memory()
@@ -359,19 +364,21 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         if getattr(actor, "world", 1) > 1:
             groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, actor.world)
         if groups and not cfg.debug.debug_rollout_only:
-            step.update(train_step(cfg, groups, rollout_id, actor))
+            with profiler.phase("miles.train"):
+                step.update(train_step(cfg, groups, rollout_id, actor))
             if (rollout_id + 1) % cfg.sync.update_weights_interval == 0:
-                sync = push_weights(
-                    policy,
-                    engine,
-                    rollout_id + 1,
-                    cfg.sync.sync_bucket_size,
-                    cfg.sync.check_weight_update_equal,
-                    staging,
-                    zero_copy,
-                    trainer=actor,
-                    broadcast_from=broadcast_from,
-                )
+                with profiler.phase("miles.sync"):
+                    sync = push_weights(
+                        policy,
+                        engine,
+                        rollout_id + 1,
+                        cfg.sync.sync_bucket_size,
+                        cfg.sync.check_weight_update_equal,
+                        staging,
+                        zero_copy,
+                        trainer=actor,
+                        broadcast_from=broadcast_from,
+                    )
                 step.update(
                     sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
                 )
@@ -388,6 +395,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
             else:  # after the running rollout, on its thread: the engine serves one caller at a time
                 step.update(pool.submit(evaluate, engine, data.eval_items, cfg, rewards).result())
         metrics.log(rollout_id, step)
+        profiler.step()
         last_eval = step.get("eval_accuracy", last_eval)
         bar.set_postfix(
             reward=f"{step['reward_mean']:.2f}",
@@ -410,6 +418,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
                 },
             )
     bar.close()
+    profiler.close()
     if pool is not None:
         pool.shutdown()
     metrics.close()
