@@ -74,7 +74,7 @@ def test_every_guide_flag_is_listed_in_help():
         (["--fp8-format", "e4m3"], "--fp8-format is not available yet"),
         (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
         (["--async-weight-sync", "--max-staleness", "0"], "--max-staleness must be >= 1"),
-        (["--profile"], "--profile is not available yet"),
+        (["--offload-experts"], "--offload-experts is not available yet"),
         (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
         (["--task", "basic_arithmetic", "--prompt-data", "x.jsonl"], "--task or --prompt-data, not both"),
         (["stray"], "unexpected argument 'stray'"),
