@@ -53,16 +53,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_job_argv(rest: list[str]) -> list[str]:
+    """`miles train` alone runs the embedded default job; flags that name no job of their own
+    (no --config, --task or --prompt-data) change that job, e.g. `miles train --colocate`."""
+    own_job = ("--config", "--task", "--prompt-data")
+    if (
+        any(a == flag or a.startswith(flag + "=") for a in rest for flag in own_job)
+        or "--help" in rest
+        or "-h" in rest
+    ):
+        return rest
+    return ["--config", str(DEFAULT_JOB), *rest]
+
+
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     import logging
 
     from miles.config import load_config
     from miles.runtime.loop import train
 
-    argv = rest if rest else ["--config", str(DEFAULT_JOB)]
-    if not rest:
+    argv = default_job_argv(rest)
+    if argv is not rest:
+        what = "no arguments" if not rest else "no --config, --task or --prompt-data"
         print(
-            f"miles train: no arguments, running the embedded default job ({DEFAULT_JOB.name}); see miles train --help"
+            f"miles train: {what}: running the embedded default job ({DEFAULT_JOB.name})"
+            + (" with your flags on top" if rest else "")
+            + "; see miles train --help"
         )
     cfg = load_config(argv)
     logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -19,3 +19,28 @@ def test_generate_missing_model_is_one_clear_error(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and "no such file or directory" in err and "Traceback" not in err
+
+
+def test_train_flags_without_a_job_change_the_embedded_default(tmp_path, capsys):
+    """`miles train --num-rollout 1 ...` runs the default job with those flags on top (the guide's
+    remedies are flags added to a run); a run that names its own job is left as given."""
+    import yaml
+
+    from miles.cli import DEFAULT_JOB, default_job_argv
+
+    assert default_job_argv([]) == ["--config", str(DEFAULT_JOB)]
+    assert default_job_argv(["--colocate"]) == ["--config", str(DEFAULT_JOB), "--colocate"]
+    for own in (
+        ["--task", "basic_arithmetic"],
+        ["--prompt-data=p.jsonl"],
+        ["--config", "run.yaml"],
+        ["--help"],
+    ):
+        assert default_job_argv(own) == own
+    args = ["train", "--num-rollout", "1", "--rollout-batch-size", "2", "--eval-size", "0", "--no-progress"]
+    assert main([*args, "--output-dir", str(tmp_path)]) == 0
+    assert "with your flags on top" in capsys.readouterr().out
+    used = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    default = yaml.safe_load(DEFAULT_JOB.read_text())
+    assert used["data"]["task"] == default["data"]["task"] == "basic_arithmetic"
+    assert used["rollout"]["num_rollout"] == 1 and used["rollout"]["rollout_batch_size"] == 2
