@@ -159,3 +159,22 @@ def test_weights_land_mid_rollout_between_decoding_steps(ray_cluster, tmp_path):
     versions = [s.weight_versions for s in result["samples"]]
     assert [1, 2] in versions and all(v in ([1], [1, 2], [2]) for v in versions)
     assert_engines_hold(manager, new.state_dict())
+
+
+def test_corrupted_object_store_bucket_is_named(ray_cluster, tmp_path):
+    """A bucket whose bytes changed after its checksums were taken: every engine refuses it,
+    naming the tensor, and the error is not mistaken for a dead engine (no restart)."""
+    from miles.sync import SyncIntegrityError, pack, plan_buckets
+
+    save_model(random_model("llama", seed=3), tmp_path / "base")
+    manager = RolloutManager(str(tmp_path / "base"), num_engines=2, max_batch_size=4, max_seq_len=64)
+    buckets = []
+    for items in plan_buckets(random_model("llama", seed=4).state_dict().items(), 50_000):
+        flat, meta = pack(items)
+        if any(name == "model.norm.weight" for name, _ in items):
+            offset = next(m.offset for m in meta.tensors if m.name == "model.norm.weight")
+            flat[offset] ^= 0x01
+        buckets.append((meta, ray.put(flat.numpy())))
+    with pytest.raises(SyncIntegrityError, match="model.norm.weight"):
+        manager.update_weights_from_buckets(buckets, version=1)
+    assert manager.restarts == 0

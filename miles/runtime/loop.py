@@ -363,6 +363,9 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
             actor.onload()
         if getattr(actor, "world", 1) > 1:
             groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, actor.world)
+        step["train_samples"] = sum(len(g) for g in groups)
+        if hasattr(engine, "restarts"):  # Ray engines restarted so far (each redid its requests)
+            step["engine_restarts"] = engine.restarts
         if groups and not cfg.debug.debug_rollout_only:
             with profiler.phase("miles.train"):
                 step.update(train_step(cfg, groups, rollout_id, actor))
