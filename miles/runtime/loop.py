@@ -146,6 +146,18 @@ def push_weights(
     return stats
 
 
+def ray_hosts(trainer, engine) -> int:
+    """How many Ray nodes the driver, training rank 0 and the engine actors span (1 without Ray)."""
+    if not hasattr(engine, "node_ids"):
+        return 1
+    import ray
+
+    nodes = {ray.get_runtime_context().get_node_id(), *engine.node_ids()}
+    if hasattr(trainer, "node_id"):
+        nodes.add(trainer.node_id())
+    return len(nodes)
+
+
 def broadcast_source(cfg: RunConfig, trainer, engine):
     """The trainer side of the weight-update group when weights go to Ray engines by broadcast
     (--sync-transport; auto picks it for disaggregated GPUs), else None."""
@@ -305,6 +317,14 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
     if zero_copy and not shared_memory_available():
         log.warning(
             "--use-zero-copy-sync: shared memory is not available here; using the standard bucketed sync"
+        )
+        zero_copy = False
+    hosts = ray_hosts(actor, engine) if zero_copy else 1
+    if hosts > 1:
+        log.warning(
+            "--use-zero-copy-sync: the trainer and the rollout engines are on %d hosts, and memory handles only "
+            "open on the host that made them; using the standard sync",
+            hosts,
         )
         zero_copy = False
     if zero_copy:

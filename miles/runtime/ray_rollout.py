@@ -180,6 +180,9 @@ class EngineActor:
 
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 class RolloutManager:
     """Spreads requests over `num_engines` engines; recovers from an actor's death. An engine is
@@ -319,6 +322,10 @@ class RolloutManager:
         stats = source.broadcast_weights(bucket_bytes)
         ray.get(receives)
         return stats
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each engine actor."""
+        return ray.get([a.node_id.remote() for a in self.actors])
 
     @property
     def weight_version(self) -> int:

@@ -159,6 +159,9 @@ class TrainerActor:
             self._handles = handles(named)
         return self._handles
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def offload(self) -> int:
         return self.actor.offload()
 
@@ -278,6 +281,10 @@ class RayTrainer:
     def share_handles(self) -> bytes | None:
         """Handles to rank 0's weights in shared memory (None with FSDP: a rank holds only a shard)."""
         return None if self._collective else ray.get(self.ranks[0].share_handles.remote())
+
+    def node_id(self) -> str:
+        """Rank 0's Ray node."""
+        return ray.get(self.ranks[0].node_id.remote())
 
     def weight_group_address(self) -> tuple[str, int]:
         return rendezvous(self._rank0_options)
