@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from collections.abc import Sequence
 
 import ray
@@ -237,21 +238,28 @@ class RayTrainer:
         self.policy, self.world = policy, world
         self._policy_stale = False
         self._collective = cfg.train.data_parallel == "fsdp"  # whole-state reads need every rank
+        self._submit_lock = threading.Lock()
+
+    def _submit(self, make_calls):
+        """Submit one call per rank as a batch no other thread's batch interleaves with (with
+        --async-weight-sync a rollout thread may need rank 0's weights while the main thread
+        trains): every rank then runs its collectives in the same order."""
+        with self._submit_lock:
+            return make_calls()
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-token log pi_old - log pi_ref of every sample, each rank computing its shard."""
         if len(samples) % self.world:
             raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
-        parts = ray.get(
-            [r.reference_kl.remote(s) for r, s in zip(self.ranks, shard(list(samples), self.world))]
-        )
+        shards = shard(list(samples), self.world)
+        parts = ray.get(self._submit(lambda: [r.reference_kl.remote(s) for r, s in zip(self.ranks, shards)]))
         return [t for part in parts for t in part]
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         if len(samples) % self.world:
             raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
         shards = zip(self.ranks, shard(list(samples), self.world), shard(list(advantages), self.world))
-        calls = [r.train.remote(s, a) for r, s, a in shards]
+        calls = self._submit(lambda: [r.train.remote(s, a) for r, s, a in shards])
         try:
             per_rank = ray.get(calls)
         except RayActorError as e:  # a rank died: its gradients are lost, the step cannot finish
@@ -265,10 +273,10 @@ class RayTrainer:
 
     def offload(self) -> int:
         """Every rank moves its training state off its GPU (colocated rollout); total bytes."""
-        return sum(ray.get([r.offload.remote() for r in self.ranks]))
+        return sum(ray.get(self._submit(lambda: [r.offload.remote() for r in self.ranks])))
 
     def onload(self) -> int:
-        return sum(ray.get([r.onload.remote() for r in self.ranks]))
+        return sum(ray.get(self._submit(lambda: [r.onload.remote() for r in self.ranks])))
 
     def sync_policy(self) -> None:
         """Bring the driver's copy of the policy up to rank 0's weights (for checkpoints, zero-copy
@@ -306,11 +314,11 @@ class RayTrainer:
     def _from_rank0(self, method: str, *args, **kwargs):
         """Rank 0's answer; with FSDP every rank joins (the whole state is gathered)."""
         ranks = self.ranks if self._collective else self.ranks[:1]
-        return ray.get([getattr(r, method).remote(*args, **kwargs) for r in ranks])[0]
+        return ray.get(self._submit(lambda: [getattr(r, method).remote(*args, **kwargs) for r in ranks]))[0]
 
     def state_dict(self) -> dict:
         return self._from_rank0("actor_state")
 
     def load_state_dict(self, state: dict) -> None:
         model_state = self.policy.state_dict()
-        ray.get([r.load.remote(model_state, state) for r in self.ranks])
+        ray.get(self._submit(lambda: [r.load.remote(model_state, state) for r in self.ranks]))
