@@ -151,10 +151,18 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
 @pytest.mark.parametrize(
     "sync", [[], ["--use-zero-copy-sync", "--check-weight-update-equal"]], ids=["bucketed", "zero-copy"]
 )
-def test_async_one_step_off_policy(tmp_path, sync):
+def test_async_one_step_off_policy(tmp_path, monkeypatch, sync):
     """--async-weight-sync: rollout N+1 runs during step N; every sample records its staleness,
     which never passes --max-staleness, and the overlap really happens. With zero-copy the engine
     copies from the trainer's memory before the next training step writes it (checked)."""
+    records = check_async_run(tmp_path / "async", ["--async-weight-sync", *sync], monkeypatch)
+    if sync:
+        assert all(r["sync_moved_bytes"] < 64_000 for r in records if "sync_moved_bytes" in r)
+
+
+def check_async_run(out: Path, flags: list[str], monkeypatch) -> list[dict]:
+    """A 5-step async run: every step trains, no sample is dropped, staleness is 0 or 1 and 1
+    occurs (the overlap is real); returns the metrics."""
     from miles.runtime import loop
 
     seen = []
@@ -165,18 +173,13 @@ def test_async_one_step_off_policy(tmp_path, sync):
         seen.extend(s.metadata["staleness"] for g in groups for s in g)
         return kept, dropped
 
-    loop.drop_stale = spy
-    try:
-        train(load_config(small_run_args(tmp_path / "async", 5) + ["--async-weight-sync", *sync]))
-    finally:
-        loop.drop_stale = real
-    records = read_metrics(tmp_path / "async")
+    monkeypatch.setattr(loop, "drop_stale", spy)
+    train(load_config(small_run_args(out, 5) + flags))
+    records = read_metrics(out)
     assert [r["rollout"] for r in records] == [-1, 0, 1, 2, 3, 4]
+    assert all("pg_loss" in r and r["stale_dropped"] == 0 for r in records if r["rollout"] >= 0)
     assert set(seen) <= {0, 1} and 1 in seen  # one step off-policy, never more
-    assert all(r["stale_dropped"] == 0 for r in records if "stale_dropped" in r)
-    assert all("pg_loss" in r for r in records if r["rollout"] >= 0)
-    if sync:
-        assert all(r["sync_moved_bytes"] < 64_000 for r in records if "sync_moved_bytes" in r)
+    return records
 
 
 def test_drop_stale_bounds_staleness():
