@@ -365,3 +365,43 @@ def test_async_sync_on_ray_engines(ray_cluster, tmp_path, monkeypatch, transport
 
     flags = ["--async-weight-sync", "--rollout-num-gpus", "2", "--sync-transport", transport]
     check_async_run(tmp_path, flags + ["--check-weight-update-equal"], monkeypatch)
+
+
+def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypatch):
+    """`miles train` with 2 engine actors; one is killed after the first step: the run finishes
+    every step with the full sample count, and the restart shows in the metrics."""
+    import threading
+    import time
+
+    from miles.config import load_config
+    from miles.runtime import loop
+    from miles.runtime.metrics import read_metrics
+    from miles.runtime.ray_rollout import RolloutManager
+    from tests.test_train_e2e import small_run_args
+
+    managers = []
+    real_init = RolloutManager.__init__
+
+    def capture(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        managers.append(self)
+
+    monkeypatch.setattr(RolloutManager, "__init__", capture)
+    cfg = load_config(
+        small_run_args(tmp_path, 6) + ["--rollout-num-gpus", "2", "--check-weight-update-equal"]
+    )
+    run = threading.Thread(target=loop.train, args=(cfg,))
+    run.start()
+    deadline = time.time() + 120
+    while (
+        not (tmp_path / "metrics.jsonl").exists()
+        or '"rollout": 0' not in (tmp_path / "metrics.jsonl").read_text()
+    ):
+        assert time.time() < deadline and run.is_alive()
+        time.sleep(0.05)
+    ray.kill(managers[0].actors[1], no_restart=False)
+    run.join(timeout=300)
+    rows = [r for r in read_metrics(tmp_path) if r["rollout"] >= 0]
+    assert [r["rollout"] for r in rows] == list(range(6))
+    assert all(r["train_samples"] == 16 and "pg_loss" in r for r in rows)  # 4 prompts x 4 samples
+    assert rows[0]["engine_restarts"] == 0 and rows[-1]["engine_restarts"] >= 1
