@@ -9,6 +9,8 @@ import time
 import pytest
 import ray
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from miles.models import save_model
 from miles.rollout import Engine, Request, SamplingParams
@@ -178,3 +180,26 @@ def test_corrupted_object_store_bucket_is_named(ray_cluster, tmp_path):
     with pytest.raises(SyncIntegrityError, match="model.norm.weight"):
         manager.update_weights_from_buckets(buckets, version=1)
     assert manager.restarts == 0
+
+
+@given(
+    groups=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 8)), min_size=0, max_size=30),
+    n=st.integers(1, 5),
+)
+def test_split_by_prompt_keeps_groups_on_one_engine(groups, n):
+    """Every request goes to exactly one engine, all requests with one prompt to the same one
+    (it prefills the prompt once), and the engines' loads differ by at most one group's size."""
+    from miles.runtime.ray_rollout import split_by_prompt
+
+    reqs = [Request([p, 7], SamplingParams()) for p, size in groups for _ in range(size)]
+    chunks = split_by_prompt(reqs, n)
+    assert len(chunks) == n and sorted(i for c in chunks for i in c) == list(range(len(reqs)))
+    engine_of = {}
+    for e, chunk in enumerate(chunks):
+        for i in chunk:
+            assert engine_of.setdefault(tuple(reqs[i].prompt_ids), e) == e
+    sizes = {}
+    for r in reqs:
+        sizes[tuple(r.prompt_ids)] = sizes.get(tuple(r.prompt_ids), 0) + 1
+    loads = [len(c) for c in chunks]
+    assert max(loads) - min(loads) <= max(sizes.values(), default=0)

@@ -52,6 +52,20 @@ def put_buckets(
     return out
 
 
+def split_by_prompt(requests: Sequence[Request], n: int) -> list[list[int]]:
+    """Request indices for each of `n` engines: requests with the same prompt (a GRPO group) go
+    to one engine, which prefills the prompt once for all of them; each group goes to the engine
+    with the fewest requests so far (largest groups first), so the loads differ by at most one
+    group's size."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(requests):
+        by_prompt.setdefault(tuple(r.prompt_ids), []).append(i)
+    chunks: list[list[int]] = [[] for _ in range(n)]
+    for group in sorted(by_prompt.values(), key=len, reverse=True):
+        min(chunks, key=len).extend(group)
+    return [sorted(c) for c in chunks]
+
+
 class DriverWeightSource:
     """The weight-update group's sender for a model in this process (a script or notebook that
     drives a `RolloutManager` itself); `miles train`'s `RayTrainer` offers the same methods for
@@ -387,7 +401,7 @@ class RolloutManager:
     def generate(self, requests: Sequence[Request]) -> list[Sample]:
         """All samples, in request order, whatever happens to the actors on the way."""
         n = len(self.groups)
-        chunks = [list(range(i, len(requests), n)) for i in range(n)]
+        chunks = split_by_prompt(requests, n)
 
         def submit(i: int) -> list:  # every rank of a tensor-parallel engine runs the same requests
             return [a.generate.remote([requests[j] for j in chunks[i]]) for a in self.groups[i]]
