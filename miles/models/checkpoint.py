@@ -85,10 +85,9 @@ def read_tensors(
         try:
             with safe_open(file, "pt") as f:
                 for name in file_names:
-                    dim = split_dim(name) if tp is not None else None
                     if tp is None:
                         out[name] = f.get_tensor(name)
-                    elif dim is None:
+                    elif (dim := split_dim(name)) is None:
                         out[name] = shard(name, f.get_tensor(name), *tp)  # whole, or a zeroed row bias
                     else:
                         part = f.get_slice(name)
