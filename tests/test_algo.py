@@ -15,7 +15,7 @@ from miles.algo.filters import apply_filter, nonconstant_reward
 from miles.algo.logprobs import entropy, token_logprobs
 from miles.algo.losses import kl_estimate, policy_loss, value_loss
 from miles.algo.masked import AGG_MODES, aggregate, masked_mean, masked_var, whiten
-from miles.algo.mismatch import importance_weights, mismatch_metrics
+from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 
 close = torch.testing.assert_close
 
@@ -338,3 +338,30 @@ def test_dynamic_sampling_drops_all_equal_groups():
 def test_masked_var_matches_torch():
     x = torch.randn(10)
     close(masked_var(x, torch.ones(10)), x.var())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 3))
+def test_routing_mismatch_counts_changed_decisions(seed, k):
+    """The recorded experts are the trainer's own top-k (shuffled: order does not matter) with
+    some (token, layer) decisions changed; the metric finds exactly those, over counted positions
+    only (mask, and -1 = not recorded)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, L, E = 3, 7, 2, 6
+    logits = [torch.randn(B, T, E, generator=g) for _ in range(L)]
+    own = torch.stack([lg.topk(k, dim=-1).indices for lg in logits], dim=2)
+    recorded = own.gather(-1, torch.argsort(torch.rand(B, T, L, k, generator=g), dim=-1))
+    changed = torch.rand(B, T, L, generator=g) < 0.3
+    unused = torch.stack([torch.tensor([e for e in range(E) if e not in own[b, t, layer]][0])
+                          for b in range(B) for t in range(T) for layer in range(L)]).view(B, T, L)  # fmt: skip
+    recorded[..., 0] = torch.where(changed, unused, recorded[..., 0])
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    recorded[0, 0] = -1  # not recorded: never counted
+    valid = mask.bool().clone()
+    valid[0, 0] = False
+    got = routing_mismatch(logits, recorded, mask)
+    if not valid.any():
+        assert got == {}
+        return
+    assert got["routing_mismatch_frac"] == pytest.approx(float(changed[valid].float().mean()))
+    assert got["routing_mismatch_token_frac"] == pytest.approx(float(changed.any(-1)[valid].float().mean()))

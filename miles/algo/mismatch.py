@@ -94,3 +94,28 @@ def mismatch_metrics(
         "kl_rollout_train_k1": float(masked_mean(-diff, m)),
         "kl_rollout_train_k3": float(masked_mean(torch.expm1(diff.clamp(-20, 20)) - diff.clamp(-20, 20), m)),
     }
+
+
+def routing_mismatch(
+    router_logits: list[torch.Tensor], recorded: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How often the trainer's own top-k experts differ from those the rollout engine used.
+
+    `router_logits`: per MoE layer (B, T, E); `recorded`: (B, T, layers, K) expert ids from the
+    rollout, -1 where none was recorded; `mask`: (B, T) positions to count. A decision is one
+    (token, layer) top-k set (order ignored). Returns the fraction of decisions that differ and
+    the fraction of tokens with at least one differing layer (the guide's "different experts
+    activated during train vs inference"; R3 replays the recorded ones instead).
+    """
+    k = recorded.shape[-1]
+    own = torch.stack([lg.detach().topk(k, dim=-1).indices for lg in router_logits], dim=2)  # (B,T,L,K)
+    rec = recorded.to(own.device)
+    valid = mask.bool() & (rec >= 0).all(-1).all(-1)
+    differ = (own.sort(-1).values != rec.sort(-1).values).any(-1)  # (B, T, L)
+    n = int(valid.sum())
+    if n == 0:
+        return {}
+    return {
+        "routing_mismatch_frac": float(differ[valid].float().mean()),
+        "routing_mismatch_token_frac": float(differ.any(-1)[valid].float().mean()),
+    }

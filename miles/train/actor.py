@@ -19,11 +19,11 @@ import torch
 from miles.algo.logprobs import entropy as entropy_of
 from miles.algo.losses import kl_estimate, policy_loss
 from miles.algo.masked import aggregate, masked_mean
-from miles.algo.mismatch import importance_weights, mismatch_metrics
+from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.models.transformer import Transformer
-from miles.train.logprobs import PackedBatch, forward_logprobs, pack
+from miles.train.logprobs import PackedBatch, forward_logprobs, pack, recorded_routing
 
 log = logging.getLogger("miles")
 
@@ -267,6 +267,12 @@ class Actor:
             aux = load_balancing_loss(out.router_logits, out.routed_experts, batch.attention_mask)
             loss = loss + cfg.train.aux_loss_coef * aux
             parts["aux_loss"] = float(aux.detach())
+        if out.router_logits and all(s.rollout_routed_experts is not None for s in samples):
+            parts.update(
+                routing_mismatch(
+                    out.router_logits, recorded_routing(samples, logp.shape[1]), batch.attention_mask
+                )
+            )
         if out.routed_experts is not None:
             load = torch.bincount(
                 out.routed_experts[batch.attention_mask.bool()].reshape(-1),

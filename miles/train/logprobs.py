@@ -58,12 +58,18 @@ def pack(samples: Sequence[Sample], replay_routing: bool = False, share_prompts:
     shared = plan_shared_prompts(samples, replay_routing) if share_prompts else None
     forced = None
     if replay_routing and shared is None:  # the shared-prompt plan carries its own routing
-        L, K = samples[0].rollout_routed_experts.shape[1:]
-        forced = torch.full((B, T - 1, L, K), -1, dtype=torch.long)
-        for b, s in enumerate(samples):
-            routed = np.asarray(s.rollout_routed_experts)
-            forced[b, : len(routed)] = torch.from_numpy(routed.astype(np.int64))
+        forced = recorded_routing(samples, T - 1)
     return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared)
+
+
+def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
+    """The engine's recorded expert ids, right-padded: (B, length, MoE layers, k), -1 = none."""
+    L, K = samples[0].rollout_routed_experts.shape[1:]
+    out = torch.full((len(samples), length, L, K), -1, dtype=torch.long)
+    for b, s in enumerate(samples):
+        routed = np.asarray(s.rollout_routed_experts)[:length]
+        out[b, : len(routed)] = torch.from_numpy(routed.astype(np.int64))
+    return out
 
 
 def forward_logprobs(
