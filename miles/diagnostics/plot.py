@@ -12,6 +12,11 @@ PANELS = [
     ("accuracy", ["accuracy", "eval_accuracy"]),
     ("kl", ["ppo_kl", "kl_loss", "kl_rollout_train_k3"]),
     ("logprob_mismatch", ["train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max"]),
+    ("routing_mismatch", ["routing_mismatch_frac", "routing_mismatch_token_frac"]),
+    (
+        "time",
+        ["rollout_time", "train_time", "sync_seconds"],
+    ),  # seconds per step (train_time includes the sync)
     ("lengths", ["response_len_mean"]),
     ("loss", ["pg_loss", "entropy"]),
 ]
