@@ -126,7 +126,14 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
 
     assert main(["plot", str(tmp_path / "tb")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "tb" / "plots").glob("*.png"))
-    assert {"reward.png", "accuracy.png", "logprob_mismatch.png", "lengths.png"} <= set(pngs)
+    assert {
+        "reward.png",
+        "accuracy.png",
+        "logprob_mismatch.png",
+        "routing_mismatch.png",
+        "time.png",
+        "lengths.png",
+    } <= set(pngs)
     assert all((tmp_path / "tb" / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
     capsys.readouterr()
 
