@@ -108,13 +108,17 @@ def routing_mismatch(
     activated during train vs inference"; R3 replays the recorded ones instead).
     """
     k = recorded.shape[-1]
-    own = torch.stack([lg.detach().topk(k, dim=-1).indices for lg in router_logits], dim=2)  # (B,T,L,K)
-    rec = recorded.to(own.device)
+    rec = recorded.to(router_logits[0].device)
     valid = mask.bool() & (rec >= 0).all(-1).all(-1)
-    differ = (own.sort(-1).values != rec.sort(-1).values).any(-1)  # (B, T, L)
-    n = int(valid.sum())
-    if n == 0:
+    if not valid.any():
         return {}
+    differ = torch.stack(  # (B, T, L), one layer at a time: no (B, T, L, K) copy of the trainer's choice
+        [
+            (lg.detach().topk(k, dim=-1).indices.sort(-1).values != rec[:, :, layer].sort(-1).values).any(-1)
+            for layer, lg in enumerate(router_logits)
+        ],
+        dim=-1,
+    )
     return {
         "routing_mismatch_frac": float(differ[valid].float().mean()),
         "routing_mismatch_token_frac": float(differ.any(-1)[valid].float().mean()),

@@ -104,7 +104,7 @@ def push_weights(
     t0 = time.perf_counter()
     state = None  # the driver's HF tensors, when a path below needed them
     blob = trainer.share_handles() if zero_copy and hasattr(trainer, "share_handles") else None
-    if broadcast_from is not None and not zero_copy:
+    if broadcast_from is not None:
         stats = engine.update_weights_by_broadcast(broadcast_from, version, bucket_bytes)
         stats.seconds = time.perf_counter() - t0
     elif blob is not None and hasattr(engine, "update_weights_from_handles"):
@@ -334,7 +334,7 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
         run_dir, cfg.logging.use_tensorboard, cfg.logging.use_wandb, cfg.logging.wandb_project, to_dict(cfg)
     )
     staging = BucketBuffer()  # one weight-sync staging buffer for the whole run
-    broadcast_from = broadcast_source(cfg, actor, engine)
+    broadcast_from = None if zero_copy else broadcast_source(cfg, actor, engine)  # zero-copy first
     start = resume(cfg, policy, actor, engine, data, metrics)
     last_eval = float("nan")
     if start == 0 and data.eval_items:

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from miles.data.sample import Sample
 from miles.rollout.engine import Request
 from miles.sync.buckets import BucketMeta, SyncIntegrityError, pack, plan_buckets, unpack
+from miles.sync.group import GroupSender
 from miles.sync.transports import SyncStats
 
 log = logging.getLogger("miles.ray")
@@ -66,33 +67,23 @@ def split_by_prompt(requests: Sequence[Request], n: int) -> list[list[int]]:
     return [sorted(c) for c in chunks]
 
 
-class DriverWeightSource:
+class DriverWeightSource(GroupSender):
     """The weight-update group's sender for a model in this process (a script or notebook that
     drives a `RolloutManager` itself); `miles train`'s `RayTrainer` offers the same methods for
     its rank 0."""
 
     def __init__(self, policy: torch.nn.Module) -> None:
-        self.policy, self.group = policy, None
+        self.policy, self.device = policy, next(policy.parameters()).device
 
     def weight_group_address(self) -> tuple[str, int]:
         from miles.runtime.placement import free_address
 
         return free_address()
 
-    def join_weight_group(self, addr: str, port: int, world: int) -> None:
-        from miles.sync.group import WeightGroup
-
-        self.group = None
-        self.group = WeightGroup(addr, port, 0, world, next(self.policy.parameters()).device)
-
-    def leave_weight_group(self) -> None:
-        if self.group is not None:
-            self.group.close()
-
     def broadcast_weights(self, bucket_bytes: int) -> SyncStats:
         from miles.models.checkpoint import hf_state_dict
 
-        return self.group.send(hf_state_dict(self.policy).items(), bucket_bytes)
+        return self.weight_group.send(hf_state_dict(self.policy).items(), bucket_bytes)
 
     def publish(self, bucket_bytes: int) -> list[tuple[BucketMeta, ray.ObjectRef]]:
         from miles.models.checkpoint import hf_state_dict
@@ -297,7 +288,7 @@ class RolloutManager:
             t0 = time.perf_counter()
             source.leave_weight_group()  # engines still waiting on the group get an error, not a hang
             self._group_formed = False
-            self._buckets, self._source = source.publish(bucket_bytes), None
+            self._buckets = source.publish(bucket_bytes)
             self._sync_every_engine()
             payload = sum(meta.nbytes for meta, _ in self._buckets)
             tensors = sum(len(meta.tensors) for meta, _ in self._buckets)
@@ -391,11 +382,10 @@ class RolloutManager:
         """The latest weights to `actors`, by the way the last sync went (a ping before any sync)."""
         if self._handles is not None:
             return [a.update_weights_from_handles.remote(self._handles, self.version) for a in actors]
-        buckets = self._buckets
-        if self._source is not None:  # broadcast sync: these actors via the object store
-            buckets = self._source.publish(self._bucket_bytes)
-        if buckets:
-            return [a.update_weights.remote(buckets, self.version) for a in actors]
+        if self._source is not None and not self._buckets:  # broadcast sync: via the object store,
+            self._buckets = self._source.publish(self._bucket_bytes)  # put once for every retry and engine
+        if self._buckets:
+            return [a.update_weights.remote(self._buckets, self.version) for a in actors]
         return [a.pid.remote() for a in actors]
 
     def generate(self, requests: Sequence[Request]) -> list[Sample]:

@@ -24,6 +24,7 @@ from miles.data.sample import Sample
 from miles.errors import MilesError
 from miles.runtime.placement import rendezvous
 from miles.runtime.ray_rollout import from_object_store, put_buckets
+from miles.sync.group import GroupSender
 
 
 def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
@@ -62,7 +63,9 @@ def shard_fsdp(model: torch.nn.Module, device: torch.device) -> None:
 
 
 @ray.remote(num_cpus=0)
-class TrainerActor:
+class TrainerActor(GroupSender):
+    """One training rank; rank 0 also sends the weights to the engines (--sync-transport broadcast)."""
+
     def __init__(
         self, rank: int, world: int, port: int, values: dict, threads: int = 1, addr: str = "127.0.0.1"
     ) -> None:
@@ -84,7 +87,6 @@ class TrainerActor:
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
-        self._weight_group = None  # --sync-transport broadcast: rank 0 sends to the engines
         self._handles: bytes | None = None  # --use-zero-copy-sync: see share_handles
         if self.fsdp:
             ref = copy.deepcopy(policy) if needs_reference(cfg) else None  # whole, before sharding
@@ -128,24 +130,13 @@ class TrainerActor:
 
         return put_buckets(hf_state_dict(self.actor.model, self._model_state()).items(), bucket_bytes)
 
-    def join_weight_group(self, addr: str, port: int, world: int) -> None:
-        """Rank 0 becomes the sender (rank 0) of a new weight-update group with the engines."""
-        from miles.sync.group import WeightGroup
-
-        self._weight_group = None
-        self._weight_group = WeightGroup(addr, port, 0, world, self.device)
-
-    def leave_weight_group(self) -> None:
-        if self._weight_group is not None:
-            self._weight_group.close()
-
     def broadcast_weights(self, bucket_bytes: int):
         """Rank 0 broadcasts its weights to the engines (with FSDP every rank joins the gather)."""
         from miles.models.checkpoint import hf_state_dict
 
         state = self._model_state()
         if self.rank == 0:
-            return self._weight_group.send(hf_state_dict(self.actor.model, state).items(), bucket_bytes)
+            return self.weight_group.send(hf_state_dict(self.actor.model, state).items(), bucket_bytes)
         return None
 
     def share_handles(self) -> bytes:

@@ -102,3 +102,19 @@ class WeightGroup:
             raise SyncIntegrityError(
                 f"weight-update group: {len(bad)} tensor(s) arrived corrupted on rank {self.rank}: {bad[:5]}"
             )
+
+
+class GroupSender:
+    """Rank 0 of a weight-update group, for a class with a `device`: joining makes a new group
+    (the previous one is left first), leaving closes it so receivers still waiting get an error."""
+
+    weight_group: WeightGroup | None = None
+    device: torch.device
+
+    def join_weight_group(self, addr: str, port: int, world: int) -> None:
+        self.weight_group = None
+        self.weight_group = WeightGroup(addr, port, 0, world, self.device)
+
+    def leave_weight_group(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()

@@ -268,11 +268,10 @@ class Actor:
             loss = loss + cfg.train.aux_loss_coef * aux
             parts["aux_loss"] = float(aux.detach())
         if out.router_logits and all(s.rollout_routed_experts is not None for s in samples):
-            parts.update(
-                routing_mismatch(
-                    out.router_logits, recorded_routing(samples, logp.shape[1]), batch.attention_mask
-                )
-            )
+            recorded = batch.forced_experts  # R3 already packed it, unless the shared-prompt plan carries it
+            if recorded is None:
+                recorded = recorded_routing(samples, logp.shape[1])
+            parts.update(routing_mismatch(out.router_logits, recorded, batch.attention_mask))
         if out.routed_experts is not None:
             load = torch.bincount(
                 out.routed_experts[batch.attention_mask.bool()].reshape(-1),
