@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -67,6 +66,6 @@ def ray_cluster():
 
 def free_port() -> int:
     """A free TCP port on this host, for a test's torch.distributed rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from miles.runtime.placement import free_port as pick
+
+    return pick()

@@ -82,3 +82,19 @@ def test_a_cluster_too_small_is_named_in_the_error():
         )  # nothing left reserved
     finally:
         ray.shutdown()
+
+
+def test_rendezvous_ports_are_outside_the_ephemeral_range():
+    """Ray's workers bind to port 0 and get ephemeral ports; a rendezvous port from that range can
+    be taken between picking it and listening on it (seen as EADDRINUSE in a training rank)."""
+    import socket
+    from pathlib import Path
+
+    from miles.runtime.placement import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("", port))  # and it is really free
