@@ -72,7 +72,7 @@ def train_step_cuda_vs_cpu() -> None:
     from miles.rollout.rollout import rollout
     from miles.runtime.loop import compute_advantages
     from miles.runtime.setup import build_data
-    from miles.train.actor import Actor
+    from miles.train.policy_trainer import PolicyTrainer
 
     cfg = load_config(["--config", str(ROOT / "miles/assets/default_train.yaml"), "--eval-size", "0"])
     data = build_data(cfg)
@@ -82,7 +82,7 @@ def train_step_cuda_vs_cpu() -> None:
     samples = [s for g in groups for s in g]
     metrics = {}
     for device in ("cpu", "cuda"):
-        actor = Actor(copy.deepcopy(policy).to(device), cfg)
+        actor = PolicyTrainer(copy.deepcopy(policy).to(device), cfg)
         t0 = time.perf_counter()
         metrics[device] = actor.train(samples, compute_advantages(groups, cfg, actor))
         metrics[device]["seconds"] = time.perf_counter() - t0

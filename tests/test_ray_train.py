@@ -19,7 +19,7 @@ from miles.runtime.loop import compute_advantages
 from miles.runtime.ray_rollout import RolloutManager
 from miles.runtime.ray_train import TrainerActor, shard
 from miles.runtime.setup import build_data
-from miles.train.actor import Actor
+from miles.train.policy_trainer import PolicyTrainer
 from tests.conftest import free_port
 from tests.test_train_e2e import DEFAULT_YAML
 
@@ -53,7 +53,7 @@ def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
 
     # one process: 1 engine + 1 trainer
     policy, tok = registry.load("tiny")
-    local_actor = Actor(policy, cfg)
+    local_actor = PolicyTrainer(policy, cfg)
     local_engine = Engine(copy.deepcopy(policy), tok, 64, max_seq_len=128)
     # Ray: 2 engine actors + 2 training ranks
     manager = RolloutManager("tiny", num_engines=2, max_batch_size=64, max_seq_len=128)
@@ -346,10 +346,10 @@ def test_fsdp_sharded_state_is_not_moved_by_hand(caplog):
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         cfg = make_config({"model": "tiny-random"})
-        plain = Actor(registry.load("tiny-random")[0], cfg)
+        plain = PolicyTrainer(registry.load("tiny-random")[0], cfg)
         sharded_model = registry.load("tiny-random")[0]
         shard_fsdp(sharded_model, torch.device("cpu"))
-        sharded = Actor(sharded_model, cfg)
+        sharded = PolicyTrainer(sharded_model, cfg)
         assert plain._can_offload() and not sharded._can_offload() and not sharded._can_offload()
         assert sum("--data-parallel fsdp" in r.message for r in caplog.records) == 1
     finally:

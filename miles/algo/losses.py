@@ -37,6 +37,7 @@ def policy_loss(
     agg: AggMode = "token-mean",
     norm_length: int | None = None,
     token_weights: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate, -min(r A, clip(r, 1-eps, 1+eps_high) A), per token.
 
@@ -44,6 +45,7 @@ def policy_loss(
     - eps_clip_c > 1: dual clip, bounds the loss of negative advantages by -eps_clip_c * A.
     - ratio_type="sequence": GSPO's s_i = exp(mean_t(logp - old_logp)) for every token of i.
     - token_weights: detached importance weights (TIS / MIS) multiplying each token's loss.
+    - denominator: the global batch's token or sequence count (see `masked.aggregate`).
     """
     if eps_clip_c is not None and eps_clip_c <= 1.0:
         raise ValueError(f"eps_clip_c (dual clip) must be > 1, got {eps_clip_c}")
@@ -66,7 +68,7 @@ def policy_loss(
         loss = loss * token_weights.detach()
     m = mask.float()
     return PolicyLoss(
-        loss=aggregate(loss, mask, agg, norm_length),
+        loss=aggregate(loss, mask, agg, norm_length, denominator),
         clipfrac=masked_mean(is_clipped.float(), m).detach(),
         dual_clipfrac=masked_mean(dual.float(), m).detach(),
         approx_kl=masked_mean(-(logp - old_logp), m).detach(),

@@ -39,7 +39,11 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
 
 
 def aggregate(
-    token_loss: torch.Tensor, mask: torch.Tensor, mode: AggMode = "token-mean", norm_length: int | None = None
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: AggMode = "token-mean",
+    norm_length: int | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a (B, T) per-token loss to a scalar.
 
@@ -47,12 +51,21 @@ def aggregate(
     - seq-mean-token-mean: mean over each sequence's tokens, then over sequences (GRPO paper).
     - seq-mean-token-sum-norm: each sequence's token sum / a constant `norm_length` (default T),
       then mean over sequences (Dr.GRPO: no length bias).
+
+    `denominator`: divide by this count (tokens for token-mean, sequences otherwise) instead of
+    this batch's own. Gradient accumulation passes the whole global batch's count
+    (see `miles.train.policy_trainer.loss_denominator`, summed over ranks), so the micro-batches' losses add up to
+    exactly the global batch's loss, whatever the micro-batch size.
     """
     if mode == "token-mean":
-        return masked_mean(token_loss, mask)
+        if denominator is None:
+            return masked_mean(token_loss, mask)
+        return masked_sum(token_loss, mask) / denominator
     if mode == "seq-mean-token-mean":
-        return masked_mean(token_loss, mask, dim=-1).mean()
-    if mode == "seq-mean-token-sum-norm":
+        per_seq = masked_mean(token_loss, mask, dim=-1)
+    elif mode == "seq-mean-token-sum-norm":
         length = norm_length if norm_length is not None else token_loss.shape[-1]
-        return (masked_sum(token_loss, mask, dim=-1) / length).mean()
-    raise ValueError(f"loss aggregation {mode!r} is not one of {AGG_MODES}")
+        per_seq = masked_sum(token_loss, mask, dim=-1) / length
+    else:
+        raise ValueError(f"loss aggregation {mode!r} is not one of {AGG_MODES}")
+    return per_seq.mean() if denominator is None else per_seq.sum() / denominator

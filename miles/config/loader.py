@@ -272,10 +272,6 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         )
     if t.micro_batch_size > t.global_batch_size:
         t.micro_batch_size = t.global_batch_size
-    if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(
-            f"--micro-batch-size {t.micro_batch_size} must divide --global-batch-size {t.global_batch_size}"
-        )
     if a.advantage_estimator in ("grpo", "gspo", "rloo") and r.n_samples_per_prompt < 2:
         raise ConfigError(
             f"--advantage-estimator {a.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"

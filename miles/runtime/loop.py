@@ -39,12 +39,12 @@ from miles.sync.transports import (
     share,
     shared_memory_available,
 )
-from miles.train.actor import Actor
+from miles.train.policy_trainer import PolicyTrainer
 
 log = logging.getLogger("miles")
 
 
-def compute_advantages(groups, cfg: RunConfig, actor: Actor) -> list[torch.Tensor]:
+def compute_advantages(groups, cfg: RunConfig, actor: PolicyTrainer) -> list[torch.Tensor]:
     """Per-token advantages for each sample, in group order."""
     a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
     samples = [s for g in groups for s in g]
@@ -220,7 +220,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
             max_seq_len=max_seq_len,
             seed=r.rollout_seed,
         )
-        return Actor(policy, cfg), engine
+        return PolicyTrainer(policy, cfg), engine
     from miles.runtime.placement import create_placement, plan_layout
     from miles.runtime.ray_rollout import RolloutManager
     from miles.runtime.ray_train import RayTrainer

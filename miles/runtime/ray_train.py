@@ -49,6 +49,13 @@ def all_reduce_finite(finite: bool, device: torch.device) -> bool:
     return bool(flag[0] == 0)
 
 
+def all_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`values` summed over the ranks (global token counts and losses)."""
+    values = values.to(device)
+    dist.all_reduce(values)
+    return values.cpu()
+
+
 def shard_fsdp(model: torch.nn.Module, device: torch.device) -> None:
     """FSDP2 `fully_shard` over all ranks: each layer's attention and MLP/MoE are units (they are
     the modules the forward calls), the rest (embeddings, norms, lm_head) the root unit."""
@@ -71,7 +78,7 @@ class TrainerActor(GroupSender):
     ) -> None:
         from miles.models import registry
         from miles.runtime.setup import resolve_device
-        from miles.train.actor import Actor, needs_reference
+        from miles.train.policy_trainer import PolicyTrainer, needs_reference
 
         torch.set_num_threads(threads)
         cfg = make_config(values)
@@ -91,11 +98,13 @@ class TrainerActor(GroupSender):
         if self.fsdp:
             ref = copy.deepcopy(policy) if needs_reference(cfg) else None  # whole, before sharding
             shard_fsdp(policy, device)
-            self.actor = Actor(policy, cfg, ref_model=ref)
+            self.actor = PolicyTrainer(policy, cfg, ref_model=ref)
             self.actor.grad_sync = lambda finite: all_reduce_finite(finite, device)  # FSDP2 reduced the grads
         else:
-            self.actor = Actor(policy, cfg)
+            self.actor = PolicyTrainer(policy, cfg)
             self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
+        self.actor.all_sum = lambda values: all_sum(values, device)
+        self.actor.world = world
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         return self.actor.train(samples, advantages)
@@ -205,7 +214,7 @@ def shard(items: list, world: int) -> list[list]:
 
 
 class RayTrainer:
-    """`world` TrainerActors behind the interface of the local `Actor` (train, state_dict,
+    """`world` TrainerActors behind the interface of the local `PolicyTrainer` (train, state_dict,
     load_state_dict); after each step rank 0's weights are copied into `policy`, the driver's
     copy used for weight sync and checkpoints."""
 

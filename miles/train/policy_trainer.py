@@ -2,8 +2,10 @@
 
 One `train(samples, advantages)` call is one rollout's worth of training: the samples are split
 into `num_steps_per_rollout` optimizer steps of `global_batch_size`, each accumulated over
-micro-batches. A step whose loss or gradient is not finite is skipped and counted; the weights
-are never updated with NaN.
+micro-batches. Every micro-batch's loss is divided by the whole global batch's token (or
+sequence) count, summed over data-parallel ranks, so the accumulated gradient and the logged
+loss are the global batch's whatever the micro-batch size or rank count. A step whose loss or
+gradient is not finite is skipped and counted; the weights are never updated with NaN.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from miles.algo.logprobs import entropy as entropy_of
 from miles.algo.losses import kl_estimate, policy_loss
-from miles.algo.masked import aggregate, masked_mean
+from miles.algo.masked import aggregate
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
@@ -62,13 +64,26 @@ def load_balancing_loss(
     return torch.stack(losses).mean()
 
 
+# losses that add up over micro-batches and ranks (each part is already divided by the global
+# batch's count); every other metric is a token-weighted mean
+ADDITIVE_METRICS = ("loss", "pg_loss", "entropy", "kl_loss", "aux_loss")
+
+
+def loss_denominator(samples: Sequence[Sample], agg: str) -> float:
+    """What the loss aggregation divides by for these samples: their trained response tokens
+    (token-mean) or their number (the per-sequence modes)."""
+    if agg == "token-mean":
+        return float(sum(sum(s.loss_mask) if s.loss_mask is not None else s.response_length for s in samples))
+    return float(len(samples))
+
+
 def needs_reference(cfg: RunConfig) -> bool:
     """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward)."""
     a = cfg.algo
     return (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0
 
 
-class Actor:
+class PolicyTrainer:
     def __init__(self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None) -> None:
         """`ref_model`: the frozen reference when KL is used (default: a copy of `model` now)."""
         self.model, self.cfg = model.train(), cfg
@@ -82,8 +97,11 @@ class Actor:
         if needs_reference(cfg):
             self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.skipped_steps = 0
-        # set by a data-parallel runner: all-reduces gradients, returns whether every rank is finite
+        # set by a data-parallel runner: averages gradients over ranks, returns whether every rank is finite
         self.grad_sync = None
+        # set by a data-parallel runner: sums a float64 tensor over ranks (global counts and losses)
+        self.all_sum = None
+        self.world = 1  # data-parallel ranks, whose averaged gradients the loss scale undoes
 
     def state_dict(self) -> dict:
         return {
@@ -166,6 +184,11 @@ class Actor:
         with torch.no_grad():
             return [o - r for o, r in zip(self.logprobs(samples), self.logprobs(samples, self.ref_model))]
 
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        if self.all_sum is None:
+            return values
+        return self.all_sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         """One rollout of training; `advantages[i]` is per response token of sample i."""
         cfg = self.cfg
@@ -174,33 +197,48 @@ class Actor:
         old = self.logprobs(samples) if cfg.train.num_steps_per_rollout > 1 else [None] * len(samples)
         ref = self.logprobs(samples, self.ref_model) if self.ref_model is not None else None
         sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        weights: dict[str, float] = defaultdict(float)
 
-        def log(name: str, value) -> None:
-            sums[name] += float(value)
-            counts[name] += 1
+        def log(name: str, value, weight: float = 1.0) -> None:
+            sums[name] += float(value) * weight
+            weights[name] += weight
 
         gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        agg = cfg.algo.loss_agg_mode
         for start in range(0, len(samples), gbs):
             idx = list(range(start, min(start + gbs, len(samples))))
+            # the global batch's count over every rank: each micro-batch's share of the loss
+            (denominator,) = self._sum_over_ranks([loss_denominator([samples[i] for i in idx], agg)])
+            denominator = max(denominator, 1.0)
             self.optimizer.zero_grad(set_to_none=True)
             finite = True
+            step_losses: dict[str, float] = dict.fromkeys(ADDITIVE_METRICS, 0.0)
             for m0 in range(0, len(idx), mbs):
                 mi = idx[m0 : m0 + mbs]
+                chunk = [samples[i] for i in mi]
                 loss, parts = self._micro_batch(
-                    [samples[i] for i in mi],
+                    chunk,
                     [advantages[i] for i in mi],
                     [old[i] for i in mi],
                     None if ref is None else [ref[i] for i in mi],
+                    denominator,
                 )
+                tokens = loss_denominator(chunk, "token-mean")
                 for k, v in parts.items():
-                    log(k, v)
+                    if k in step_losses:
+                        step_losses[k] += v
+                    else:
+                        log(k, v, tokens)
                 if not torch.isfinite(loss):
                     finite = False
                     break
-                (loss * len(mi) / len(idx)).backward()
+                # ranks average their gradients; the world factor turns that into the global sum
+                (loss * self.world).backward()
             if self.grad_sync is not None:  # data parallelism: average gradients over ranks
                 finite = self.grad_sync(finite)
+            present = [k for k in ADDITIVE_METRICS if k in parts]  # the same keys on every rank
+            for k, v in zip(present, self._sum_over_ranks([step_losses[k] for k in present])):
+                log(k, v)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
             )
@@ -216,9 +254,13 @@ class Actor:
             self.optimizer.step()
             self.scheduler.step()
             log("skipped_step", 0)
-        return {k: sums[k] / counts[k] for k in sums}
+        return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
-    def _micro_batch(self, samples, advantages, old, ref) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_batch(
+        self, samples, advantages, old, ref, denominator: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the global batch's loss (its sums / `denominator`), and
+        its metrics: the `ADDITIVE_METRICS` as shares, the rest as this micro-batch's means."""
         cfg, a = self.cfg, self.cfg.algo
         batch: PackedBatch = pack(samples, a.use_r3, cfg.train.share_prompts).to(self.device)
         logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
@@ -247,24 +289,32 @@ class Actor:
             logp, old_t, adv, mask, a.eps_clip, a.eps_clip_high, a.eps_clip_c,
             ratio_type="sequence" if a.advantage_estimator == "gspo" else "token",
             agg=a.loss_agg_mode, norm_length=cfg.rollout.rollout_max_response_len, token_weights=weights,
+            denominator=denominator,
         )  # fmt: skip
         loss = pl.loss
         parts.update(
-            pg_loss=float(pl.loss.detach()), pg_clipfrac=float(pl.clipfrac), ppo_kl=float(pl.approx_kl)
+            pg_loss=float(pl.loss.detach()),
+            pg_clipfrac=float(pl.clipfrac),
+            pg_dual_clipfrac=float(pl.dual_clipfrac),
+            ppo_kl=float(pl.approx_kl),
         )
+        agg, norm = a.loss_agg_mode, cfg.rollout.rollout_max_response_len
         if a.entropy_coef > 0:
-            ent = aggregate(entropy_of(logits), mask, a.loss_agg_mode)
+            ent = aggregate(entropy_of(logits), mask, agg, norm, denominator)
             loss = loss - a.entropy_coef * ent
-            parts["entropy"] = float(ent.detach())
         else:
             with torch.no_grad():
-                parts["entropy"] = float(masked_mean(entropy_of(logits.detach()), mask))
+                ent = aggregate(entropy_of(logits.detach()), mask, agg, norm, denominator)
+        parts["entropy"] = float(ent.detach())
         if ref is not None and a.use_kl_loss and a.kl_loss_coef > 0:
-            kl = aggregate(kl_estimate(logp, ref_t, a.kl_loss_type), mask, a.loss_agg_mode)
+            kl = aggregate(kl_estimate(logp, ref_t, a.kl_loss_type), mask, agg, norm, denominator)
             loss = loss + a.kl_loss_coef * kl
             parts["kl_loss"] = float(kl.detach())
         if cfg.train.aux_loss_coef > 0 and out.router_logits:
+            # the load-balancing loss is a product of batch statistics, not a sum over tokens: it
+            # is computed per micro-batch (as Megatron does) and weighted by the micro-batch's share
             aux = load_balancing_loss(out.router_logits, out.routed_experts, batch.attention_mask)
+            aux = aux * loss_denominator(samples, agg) / denominator
             loss = loss + cfg.train.aux_loss_coef * aux
             parts["aux_loss"] = float(aux.detach())
         if out.router_logits and all(s.rollout_routed_experts is not None for s in samples):
