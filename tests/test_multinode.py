@@ -9,7 +9,7 @@ import logging
 import pytest
 import ray
 
-from tests.test_ray_train import assert_same_run
+from tests.conftest import assert_same_run
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_two_nodes_train_like_one_process(two_nodes, tmp_path, monkeypatch, capl
     from miles.runtime.metrics import read_metrics
     from miles.runtime.ray_rollout import RolloutManager
     from miles.runtime.ray_train import RayTrainer
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     nodes = []  # the Ray node of every training rank and engine of the latest run
 

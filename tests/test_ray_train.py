@@ -20,26 +20,7 @@ from miles.runtime.ray_rollout import RolloutManager
 from miles.runtime.ray_train import TrainerActor, shard
 from miles.runtime.setup import build_data
 from miles.train.policy_trainer import PolicyTrainer
-from tests.conftest import free_port
-from tests.test_train_e2e import DEFAULT_YAML
-
-SAME_RUN_KEYS = (
-    "reward_mean",
-    "eval_accuracy",
-    "pg_loss",
-    "kl_loss",
-    "grad_norm",
-    "train_rollout_logprob_abs_diff",
-)
-
-
-def assert_same_run(reference: list[dict], other: list[dict], rel: float = 1e-4) -> None:
-    """Two runs' metrics: the same rollouts, and every shared loss/reward key equal within `rel`."""
-    assert [r["rollout"] for r in other] == [r["rollout"] for r in reference]
-    for a, b in zip(reference, other):
-        for key in SAME_RUN_KEYS:
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (a["rollout"], key)
+from tests.conftest import DEFAULT_YAML, assert_same_run, free_port
 
 
 def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
@@ -92,7 +73,7 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     train(load_config(small_run_args(tmp_path / "local", 3)))
     args = small_run_args(tmp_path / "ray", 3) + [
@@ -116,7 +97,7 @@ def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     train(load_config(small_run_args(tmp_path / "bucketed", 3)))
     reference = read_metrics(tmp_path / "bucketed")
@@ -142,7 +123,7 @@ def test_training_rank_failure_stops_cleanly_and_resumes(ray_cluster, tmp_path):
     from miles.runtime import ray_train
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import TIMING, small_run_args
+    from tests.conftest import TIMING, small_run_args
 
     args = small_run_args(tmp_path / "run", 4) + [
         "--actor-num-gpus-per-node",
@@ -202,7 +183,7 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, a
     from miles.config import load_config
     from miles.runtime.loop import build_executor, train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     cfg = load_config(small_run_args(tmp_path / "probe", 1) + layout + algo)
     policy, tok = registry.load("tiny")
@@ -253,7 +234,7 @@ def test_two_ranks_two_engines_learn_the_default_task(ray_cluster, tmp_path, mon
     from miles.runtime import ray_train
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import DEFAULT_YAML
+    from tests.conftest import DEFAULT_YAML
 
     fetches = []
     real = ray_train.RayTrainer.sync_policy
@@ -274,7 +255,7 @@ def test_tensor_parallel_engine_in_miles_train(ray_cluster, tmp_path):
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     train(load_config(small_run_args(tmp_path / "local", 3)))
     tp = ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--check-weight-update-equal"]
@@ -291,7 +272,7 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path):
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     train(load_config(small_run_args(tmp_path / "local", 4)))
     fsdp = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"]
@@ -310,7 +291,7 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     train(load_config(small_run_args(tmp_path / "local", 3)))
     reference = read_metrics(tmp_path / "local")
@@ -361,7 +342,7 @@ def test_async_sync_on_ray_engines(ray_cluster, tmp_path, monkeypatch, transport
     """--async-weight-sync with engine actors: step N's weights reach the engines while rollout
     N+1 runs (between decoding steps), so staleness is 0 or 1 and 1 occurs; the engines equal the
     trainer after every sync."""
-    from tests.test_train_e2e import check_async_run
+    from tests.conftest import check_async_run
 
     flags = ["--async-weight-sync", "--rollout-num-gpus", "2", "--sync-transport", transport]
     check_async_run(tmp_path, flags + ["--check-weight-update-equal"], monkeypatch)
@@ -377,7 +358,7 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
     from miles.runtime import loop
     from miles.runtime.metrics import read_metrics
     from miles.runtime.ray_rollout import RolloutManager
-    from tests.test_train_e2e import small_run_args
+    from tests.conftest import small_run_args
 
     managers = []
     real_init = RolloutManager.__init__

@@ -15,22 +15,7 @@ import pytest
 from miles.config import load_config
 from miles.runtime.loop import train
 from miles.runtime.metrics import read_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_YAML = ROOT / "miles" / "assets" / "default_train.yaml"
-TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}
-
-
-def small_run_args(out: Path, num_rollout: int) -> list[str]:
-    return [
-        "--config", str(DEFAULT_YAML), "--num-rollout", str(num_rollout), "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "4", "--eval-size", "8", "--eval-interval", "2", "--micro-batch-size", "8",
-        "--output-dir", str(out), "--no-progress",
-    ]  # fmt: skip
-
-
-def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+from tests.conftest import DEFAULT_YAML, ROOT, check_async_run, comparable, small_run_args
 
 
 def test_kill_and_resume_gives_the_same_run(tmp_path):
@@ -168,28 +153,6 @@ def test_async_one_step_off_policy(tmp_path, monkeypatch, sync):
     records = check_async_run(tmp_path / "async", ["--async-weight-sync", *sync], monkeypatch)
     if sync:
         assert all(r["sync_moved_bytes"] < 64_000 for r in records if "sync_moved_bytes" in r)
-
-
-def check_async_run(out: Path, flags: list[str], monkeypatch) -> list[dict]:
-    """A 5-step async run: every step trains, no sample is dropped, staleness is 0 or 1 and 1
-    occurs (the overlap is real); returns the metrics."""
-    from miles.runtime import loop
-
-    seen = []
-    real = loop.drop_stale
-
-    def spy(groups, trainer_version, bound):
-        kept, dropped = real(groups, trainer_version, bound)
-        seen.extend(s.metadata["staleness"] for g in groups for s in g)
-        return kept, dropped
-
-    monkeypatch.setattr(loop, "drop_stale", spy)
-    train(load_config(small_run_args(out, 5) + flags))
-    records = read_metrics(out)
-    assert [r["rollout"] for r in records] == [-1, 0, 1, 2, 3, 4]
-    assert all("pg_loss" in r and r["stale_dropped"] == 0 for r in records if r["rollout"] >= 0)
-    assert set(seen) <= {0, 1} and 1 in seen  # one step off-policy, never more
-    return records
 
 
 def test_drop_stale_bounds_staleness():

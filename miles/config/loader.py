@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = info.meta["help"]
         if info.meta["available"] is not True:
             help_text += " [not available yet]"
+        if info.meta["bounds"] is not None:
+            help_text += f" [{info.meta['bounds']}]"
         if info.kind is not bool and info.default not in (None, {}, []):
             help_text += f" (default: {info.default})"
         kwargs: dict[str, Any] = {"help": help_text, "dest": info.name}
@@ -245,18 +247,10 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
     for var, reason in ENV_NOT_YET.items():
         if os.environ.get(var, "").strip() not in ("", "0"):
             raise ConfigError(f"environment variable {var} is set, but {reason}. Unset it to run.")
+        bounds = info.meta["bounds"]
+        if bounds is not None and value is not None and value not in bounds:
+            raise ConfigError(f"{info.flag} must be {bounds}, got {value}")
     r, a, t = cfg.rollout, cfg.algo, cfg.train
-    positive = {
-        "num_rollout": r.num_rollout, "rollout_batch_size": r.rollout_batch_size,
-        "n_samples_per_prompt": r.n_samples_per_prompt, "rollout_max_response_len": r.rollout_max_response_len,
-        "micro_batch_size": t.micro_batch_size, "num_steps_per_rollout": t.num_steps_per_rollout,
-        "rollout_max_batch_size": r.rollout_max_batch_size,
-    }  # fmt: skip
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if t.lr <= 0:
-        raise ConfigError(f"--lr must be > 0, got {t.lr}")
     total = r.rollout_batch_size * r.n_samples_per_prompt
     if t.global_batch_size is None:
         if total % t.num_steps_per_rollout:
@@ -281,11 +275,43 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
             "--advantage-estimator ppo needs a critic, which `miles train` does not build yet; use grpo, gspo, rloo or reinforce_plus_plus"
         )
     if a.tis_threshold is not None:
-        if not 0 < a.tis_threshold <= 1:
-            raise ConfigError(f"--tis-threshold must be in (0, 1], got {a.tis_threshold}")
         a.use_tis = True
-    if a.eps_clip_c is not None and a.eps_clip_c <= 1:
-        raise ConfigError(f"--eps-clip-c must be > 1, got {a.eps_clip_c}")
+    if r.rollout_top_k == 0:
+        raise ConfigError("--rollout-top-k must be -1 (off) or >= 1, got 0")
+    if a.kl_loss_coef > 0 and not a.use_kl_loss:
+        raise ConfigError(
+            f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
+            "(or use --kl-coef for the KL penalty in the reward)"
+        )
+    if a.tis_clip_low > a.tis_clip:
+        raise ConfigError(f"--tis-clip-low {a.tis_clip_low} is above --tis-clip {a.tis_clip}")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    ck, lg = cfg.checkpoint, cfg.logging
+    if cfg.debug.debug_rollout_only and (ck.save or ck.save_hf):
+        raise ConfigError(
+            "--debug-rollout-only never trains, so there is nothing to --save / --save-hf; drop one of them"
+        )
+    for flag, value in (
+        ("--output-dir", lg.output_dir),
+        ("--save", ck.save),
+        ("--save-hf", ck.save_hf),
+        ("--profile-dir", lg.profile_dir),
+    ):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise ConfigError(f"{flag} {value}: is a file; give a directory (it is created when missing)")
+    if ck.load and not ck.resume_if_present:
+        load = Path(ck.load)
+        if not load.is_dir():
+            raise ConfigError(
+                f"--load {ck.load}: no such directory. To start from scratch when no checkpoint exists yet "
+                "(a preemptible job that resumes itself), add --resume-if-present"
+            )
+        if not (load / "latest").exists():
+            raise ConfigError(
+                f"--load {ck.load}: holds no checkpoint (no 'latest' file written by --save). To start from "
+                "scratch when none exists yet, add --resume-if-present"
+            )
     if cfg.data.task and cfg.data.prompt_data:
         raise ConfigError("give --task or --prompt-data, not both")
     for flag, value in (

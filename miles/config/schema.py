@@ -47,7 +47,7 @@ class DataSection:
     task_config: dict = option(
         {}, "keyword arguments for the reasoning-gym task: a YAML mapping, or JSON on the command line"
     )
-    task_size: int = option(20_000, "how many task problems to generate for training")
+    task_size: int = option(20_000, "how many task problems to generate for training", bounds="[1, inf)")
     prompt_data: str | None = option(None, "JSONL or Parquet file of prompts")
     input_key: str = option("input", "field of --prompt-data holding the prompt")
     label_key: str | None = option("label", "field of --prompt-data holding the reference answer")
@@ -58,25 +58,33 @@ class DataSection:
     eval_prompt_data: str | None = option(
         None, "JSONL or Parquet file of held-out prompts (default: held-out task problems)"
     )
-    eval_size: int = option(200, "held-out task problems to evaluate on (0: no evaluation)")
-    eval_interval: int = option(10, "evaluate every N rollouts (0: only at the start and the end)")
+    eval_size: int = option(
+        200, "held-out task problems to evaluate on (0: no evaluation)", bounds="[0, inf)"
+    )
+    eval_interval: int = option(
+        10, "evaluate every N rollouts (0: only at the start and the end)", bounds="[0, inf)"
+    )
 
 
 @dataclass
 class RolloutSection:
     """Generation of samples."""
 
-    num_rollout: int = option(100, "number of RL steps (rollout + train)")
-    rollout_batch_size: int = option(32, "prompts per rollout")
-    n_samples_per_prompt: int = option(8, "responses per prompt (the GRPO group)")
-    rollout_max_response_len: int = option(64, "maximum new tokens per response")
-    rollout_temperature: float = option(1.0, "sampling temperature")
-    rollout_top_p: float = option(1.0, "nucleus sampling; keep 1.0 for unbiased RL logprobs")
-    rollout_top_k: int = option(-1, "top-k sampling; -1 = off")
-    rollout_max_batch_size: int = option(256, "requests the engine decodes at once (KV-cache slots)")
-    rollout_seed: int = option(0, "engine sampling seed")
+    num_rollout: int = option(100, "number of RL steps (rollout + train)", bounds="[1, inf)")
+    rollout_batch_size: int = option(32, "prompts per rollout", bounds="[1, inf)")
+    n_samples_per_prompt: int = option(8, "responses per prompt (the GRPO group)", bounds="[1, inf)")
+    rollout_max_response_len: int = option(64, "maximum new tokens per response", bounds="[1, inf)")
+    rollout_temperature: float = option(1.0, "sampling temperature", bounds="[0, inf)")
+    rollout_top_p: float = option(1.0, "nucleus sampling; keep 1.0 for unbiased RL logprobs", bounds="(0, 1]")
+    rollout_top_k: int = option(-1, "top-k sampling; -1 = off", bounds="[-1, inf)")
+    rollout_max_batch_size: int = option(
+        256, "requests the engine decodes at once (KV-cache slots)", bounds="[1, inf)"
+    )
+    rollout_seed: int = option(0, "engine sampling seed", bounds="[0, inf)")
     over_sampling_batch_size: int | None = option(
-        None, "prompts to draw per rollout before dynamic-sampling filters (default: rollout_batch_size)"
+        None,
+        "prompts to draw per rollout before dynamic-sampling filters (default: rollout_batch_size)",
+        bounds="[1, inf)",
     )
     dynamic_sampling_filter_path: str | None = option(
         None,
@@ -100,7 +108,17 @@ class RewardSection:
         None, "module:function reward(sample) -> float (sync or async); replaces --rm-type"
     )
     group_rm: bool = option(False, "the custom reward takes a whole group and returns a list of floats")
-    reward_timeout: float = option(30.0, "seconds before a reward call counts as failed (reward 0)")
+    reward_num_workers: int = option(
+        4,
+        "processes that run --custom-rm-path calls (each imports the function once; a hung call's process is "
+        "killed and replaced)",
+        bounds="[1, inf)",
+    )
+    reward_timeout: float = option(
+        30.0,
+        "seconds before a reward call counts as failed (reward 0) and its process is killed",
+        bounds="(0, inf)",
+    )
 
 
 @dataclass
@@ -116,34 +134,36 @@ class AlgoSection:
         False, "Dr.GRPO: advantages r - mean(group), no division by std"
     )
     normalize_advantages: bool = option(False, "whiten advantages over the batch's response tokens")
-    eps_clip: float = option(0.2, "PPO clip epsilon (lower)")
+    eps_clip: float = option(0.2, "PPO clip epsilon (lower)", bounds="(0, 1)")
     eps_clip_high: float | None = option(
-        None, "PPO clip epsilon (upper; DAPO clip-higher uses 0.28); default = eps_clip"
+        None, "PPO clip epsilon (upper; DAPO clip-higher uses 0.28); default = eps_clip", bounds="(0, inf)"
     )
     eps_clip_c: float | None = option(
-        None, "dual-clip constant (> 1) bounding the loss of negative advantages"
+        None, "dual-clip constant (> 1) bounding the loss of negative advantages", bounds="(1, inf)"
     )
     loss_agg_mode: str = option(
         "token-mean",
         "token-mean | seq-mean-token-mean | seq-mean-token-sum-norm",
         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     )
-    entropy_coef: float = option(0.0, "weight of the entropy bonus")
+    entropy_coef: float = option(0.0, "weight of the entropy bonus", bounds="[0, inf)")
     use_kl_loss: bool = option(False, "add a KL(policy || reference) loss term")
-    kl_loss_coef: float = option(0.0, "weight of the KL loss term")
+    kl_loss_coef: float = option(0.0, "weight of the KL loss term", bounds="[0, inf)")
     kl_loss_type: str = option(
         "low_var_kl", "KL estimator: k1 | k2 | k3 | low_var_kl", choices=("k1", "k2", "k3", "low_var_kl")
     )
-    kl_coef: float = option(0.0, "KL penalty in the reward (REINFORCE++)")
-    gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)")
-    lambd: float = option(1.0, "GAE lambda")
+    kl_coef: float = option(0.0, "KL penalty in the reward (REINFORCE++)", bounds="[0, inf)")
+    gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)", bounds="[0, 1]")
+    lambd: float = option(1.0, "GAE lambda", bounds="[0, 1]")
     use_tis: bool = option(
         False, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, tis_clip)"
     )
-    tis_clip: float = option(2.0, "TIS upper bound C")
-    tis_clip_low: float = option(0.0, "TIS lower bound")
+    tis_clip: float = option(2.0, "TIS upper bound C", bounds="(0, inf)")
+    tis_clip_low: float = option(0.0, "TIS lower bound", bounds="[0, inf)")
     tis_threshold: float | None = option(
-        None, "trust band (0, 1]: tokens whose ratio is outside [t, 1/t] are masked (implies --use-tis)"
+        None,
+        "trust band (0, 1]: tokens whose ratio is outside [t, 1/t] are masked (implies --use-tis)",
+        bounds="(0, 1]",
     )
     tis_mode: str = option("truncate", "truncate (TIS) or mask (MIS / icepop)", choices=("truncate", "mask"))
     tis_level: str = option(
@@ -158,13 +178,14 @@ class AlgoSection:
         None,
         "bound on stored routing records",
         available="a routing-record buffer bound is not built yet; routing is kept per sample",
+        bounds="[1, inf)",
     )
     verify_logprobs: bool = option(
         False,
         "check trainer vs rollout logprobs every step; stop when the mean gap exceeds --verify-logprobs-threshold",
     )
     verify_logprobs_threshold: float = option(
-        0.1, "mean |logp_train - logp_rollout| above which --verify-logprobs stops the run"
+        0.1, "mean |logp_train - logp_rollout| above which --verify-logprobs stops the run", bounds="(0, inf)"
     )
     deterministic_expert_routing: bool = option(
         False,
@@ -177,23 +198,30 @@ class AlgoSection:
 class TrainSection:
     """The optimizer and the batch layout."""
 
-    lr: float = option(1e-6, "learning rate")
-    min_lr: float = option(0.0, "final learning rate of the cosine decay")
+    lr: float = option(1e-6, "learning rate", bounds="(0, inf)")
+    min_lr: float = option(0.0, "final learning rate of the cosine decay", bounds="[0, inf)")
     lr_decay_style: str = option("constant", "constant | cosine", choices=("constant", "cosine"))
-    warmup_steps: int = option(0, "linear LR warm-up steps", aliases=("lr_warmup_iters",))
+    warmup_steps: int = option(0, "linear LR warm-up steps", aliases=("lr_warmup_iters",), bounds="[0, inf)")
     warmup_precision: str | None = option(None, "precision during warm-up (bf16)", available=NOT_YET_FP8)
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.98, "AdamW beta2")
-    clip_grad: float = option(1.0, "gradient-norm clip (0: off)")
+    weight_decay: float = option(0.0, "AdamW weight decay", bounds="[0, inf)")
+    adam_beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
+    adam_beta2: float = option(0.98, "AdamW beta2", bounds="[0, 1)")
+    clip_grad: float = option(1.0, "gradient-norm clip (0: off)", bounds="[0, inf)")
     global_batch_size: int | None = option(
         None,
         "samples per optimizer step (default: rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout)",
+        bounds="[1, inf)",
     )
     micro_batch_size: int = option(
-        64, "samples per forward/backward (gradient accumulation up to the global batch)"
+        64, "samples per forward/backward (gradient accumulation up to the global batch)", bounds="[1, inf)"
     )
-    num_steps_per_rollout: int = option(1, "optimizer steps per rollout")
+    max_consecutive_skipped_steps: int = option(
+        5,
+        "stop the run when this many optimizer steps in a row were skipped for a non-finite loss or gradient "
+        "(NaN weights, a diverged run); 0: never stop",
+        bounds="[0, inf)",
+    )
+    num_steps_per_rollout: int = option(1, "optimizer steps per rollout", bounds="[1, inf)")
     data_parallel: str = option(
         "ddp",
         "with several training ranks: ddp (every rank holds the whole model; one gradient all-reduce per "
@@ -205,12 +233,18 @@ class TrainSection:
         "compute each group's shared prompt once in the training forward (same result as the full "
         "forward to fp32 rounding; --no-share-prompts runs every sample in full)",
     )
-    seed: int = option(1234, "training seed (data order, init)")
-    aux_loss_coef: float = option(0.0, "MoE load-balancing loss weight", aliases=("moe_aux_loss_coeff",))
-    moe_capacity_factor: float | None = option(
-        None, "expert capacity", aliases=("moe_expert_capacity_factor",), available=NOT_YET_MOE
+    seed: int = option(1234, "training seed (data order, init)", bounds="[0, inf)")
+    aux_loss_coef: float = option(
+        0.0, "MoE load-balancing loss weight", aliases=("moe_aux_loss_coeff",), bounds="[0, inf)"
     )
-    expert_model_parallel_size: int = option(1, "expert parallelism", available=NOT_YET_EP)
+    moe_capacity_factor: float | None = option(
+        None,
+        "expert capacity",
+        aliases=("moe_expert_capacity_factor",),
+        available=NOT_YET_MOE,
+        bounds="(0, inf)",
+    )
+    expert_model_parallel_size: int = option(1, "expert parallelism", available=NOT_YET_EP, bounds="[1, inf)")
     offload_experts: bool = option(False, "offload experts to CPU", available=NOT_YET_EP)
 
 
@@ -221,8 +255,17 @@ class CheckpointSection:
     save: str | None = option(
         None, "directory for checkpoints (model, optimizer, scheduler, RNG, data position)"
     )
-    load: str | None = option(None, "checkpoint directory to resume from (its latest checkpoint)")
-    save_interval: int = option(0, "save every N rollouts (0: only at the end)")
+    load: str | None = option(
+        None,
+        "checkpoint directory to resume from (its latest complete checkpoint); a missing or empty directory is "
+        "an error unless --resume-if-present",
+    )
+    resume_if_present: bool = option(
+        False,
+        "with --load: start from scratch when the directory has no checkpoint yet, resume when it has one (a "
+        "preemptible job restarted with the same command, e.g. --save ckpt --load ckpt --resume-if-present)",
+    )
+    save_interval: int = option(0, "save every N rollouts (0: only at the end)", bounds="[0, inf)")
     save_hf: str | None = option(None, "export the final policy as a Hugging Face checkpoint here")
 
 
@@ -259,7 +302,7 @@ class PrecisionSection:
         None, "comma-separated layer patterns kept in high precision", available=NOT_YET_FP8
     )
     int4_group_size: int | None = option(
-        None, "INT4 group size (must divide the hidden size)", available=NOT_YET_INT4
+        None, "INT4 group size (must divide the hidden size)", available=NOT_YET_INT4, bounds="[1, inf)"
     )
     int4_skip_layers: str | None = option(
         None, "comma-separated layer patterns kept in high precision", available=NOT_YET_INT4
@@ -271,14 +314,21 @@ class SpeculativeSection:
     """Speculative rollout with a draft model."""
 
     draft_model: str | None = option(None, "draft model for speculative decoding", available=NOT_YET_SPEC)
-    spec_lookahead: int | None = option(None, "draft tokens proposed per step", available=NOT_YET_SPEC)
-    online_sft_interval: int | None = option(
-        None, "SFT the draft on the policy's rollouts every N steps", available=NOT_YET_SPEC
+    spec_lookahead: int | None = option(
+        None, "draft tokens proposed per step", available=NOT_YET_SPEC, bounds="[1, inf)"
     )
-    draft_lr: float | None = option(None, "draft learning rate", available=NOT_YET_SPEC)
-    draft_ema_decay: float | None = option(None, "EMA of draft weights", available=NOT_YET_SPEC)
+    online_sft_interval: int | None = option(
+        None,
+        "SFT the draft on the policy's rollouts every N steps",
+        available=NOT_YET_SPEC,
+        bounds="[1, inf)",
+    )
+    draft_lr: float | None = option(None, "draft learning rate", available=NOT_YET_SPEC, bounds="(0, inf)")
+    draft_ema_decay: float | None = option(
+        None, "EMA of draft weights", available=NOT_YET_SPEC, bounds="[0, 1]"
+    )
     reinit_draft_interval: int | None = option(
-        None, "re-initialise the draft every N steps", available=NOT_YET_SPEC
+        None, "re-initialise the draft every N steps", available=NOT_YET_SPEC, bounds="[1, inf)"
     )
     profile_speculative: bool = option(False, "profile speculative decoding", available=NOT_YET_SPEC)
 
@@ -294,7 +344,10 @@ class SyncSection:
         "executor is colocated anyway; there the flag only frees the KV cache between rollouts",
     )
     sync_bucket_size: int = option(
-        512 * 1024**2, "bytes per weight-sync bucket", aliases=("update_weight_buffer_size",)
+        512 * 1024**2,
+        "bytes per weight-sync bucket",
+        aliases=("update_weight_buffer_size",),
+        bounds="[1, inf)",
     )
     use_zero_copy_sync: bool = option(
         False,
@@ -316,24 +369,32 @@ class SyncSection:
     max_staleness: int = option(
         1,
         "with --async-weight-sync: drop samples whose oldest weight version is more than this many steps behind the trainer",
+        bounds="[0, inf)",
     )
-    update_weights_interval: int = option(1, "push weights to the engine every N rollouts")
+    update_weights_interval: int = option(1, "push weights to the engine every N rollouts", bounds="[1, inf)")
     check_weight_update_equal: bool = option(
         False, "after each push, compare engine and trainer weights by checksum"
     )
     actor_num_nodes: int = option(
-        1, "training nodes; ranks = nodes x --actor-num-gpus-per-node, packed into one Ray placement group"
+        1,
+        "training nodes; ranks = nodes x --actor-num-gpus-per-node, packed into one Ray placement group",
+        bounds="[1, inf)",
     )
     actor_num_gpus_per_node: int = option(
-        1, "training ranks per node (GPUs; on CPU, processes); > 1 runs on Ray + torch.distributed"
+        1,
+        "training ranks per node (GPUs; on CPU, processes); > 1 runs on Ray + torch.distributed",
+        bounds="[1, inf)",
     )
     rollout_num_gpus: int | None = option(
-        None, "devices for rollout engines (on CPU: engine processes); > 1 runs engines as Ray actors"
+        None,
+        "devices for rollout engines (on CPU: engine processes); > 1 runs engines as Ray actors",
+        bounds="[1, inf)",
     )
     rollout_num_gpus_per_engine: int = option(
         1,
         "devices per rollout engine: > 1 splits each engine's model tensor-parallel over that many processes "
         "(attention heads and MLP/expert inner sizes must divide by it); engines = --rollout-num-gpus / this",
+        bounds="[1, inf)",
     )
 
 
@@ -342,9 +403,11 @@ class CoEvolutionSection:
     """Several policies trained together (YAML section `co_evolution:`)."""
 
     strategy: str | None = option(None, "alternating | simultaneous", available=NOT_YET_MA)
-    population_size: int | None = option(None, "snapshots kept as opponents", available=NOT_YET_MA)
+    population_size: int | None = option(
+        None, "snapshots kept as opponents", available=NOT_YET_MA, bounds="[1, inf)"
+    )
     co_evolution_interval: int | None = option(
-        None, "steps between co-evolution updates", available=NOT_YET_MA
+        None, "steps between co-evolution updates", available=NOT_YET_MA, bounds="[1, inf)"
     )
 
 

@@ -66,8 +66,11 @@ def tensor_files(path: Path) -> dict[str, Path]:
     single = path / SINGLE_FILE
     if not single.exists():
         raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; nothing to load the weights from")
-    with safe_open(single, "pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    try:
+        with safe_open(single, "pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    except Exception as e:  # a truncated or corrupt header
+        raise CheckpointError(f"{single}: cannot be read as safetensors ({e})") from e
 
 
 def read_tensors(

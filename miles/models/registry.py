@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from miles.errors import CheckpointError
-from miles.models.checkpoint import load_model
+from miles.models.checkpoint import load_model, read_config
 from miles.models.config import tiny_moe_config
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.tokenizer import byte_tokenizer, load_tokenizer
@@ -71,6 +71,8 @@ def load(
         config.pad_token_id = tokenizer.pad_token_id
         model = Transformer(config, make_linear).init_weights(seed=seed)
         return (shard_model(model, *tp) if tp is not None else model).to(device), tokenizer
+    if path.suffix != ".gguf":
+        read_config(path)  # a bad config.json is named as such, not as a tokenizer problem
     has_tokenizer = path.suffix == ".gguf" or any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     )

@@ -1,77 +1,67 @@
 """Scoring samples: built-ins, reasoning-gym scorers, or a user's function by `module:function`.
 
-A reward function that raises, times out or returns a non-number marks that sample FAILED with
-reward 0; the run continues and the failures are counted in the metrics.
+A user's function runs in killable worker processes (`miles.rewards.workers`): one that raises,
+hangs past --reward-timeout, exits or returns a non-number marks that sample FAILED with reward
+0 and the run goes on. The first failure of each kind is printed with its traceback, the rest
+are counted (`reward_failed` per step); a rollout whose every reward failed stops the run.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import importlib
-import importlib.util
-import inspect
+import logging
 import math
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+import traceback
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from miles.data.sample import Sample, Status
-from miles.errors import ConfigError
+from miles.errors import ConfigError, MilesError
 from miles.rewards.builtin import boxed_answer, exact_match
+from miles.rewards.functions import load_function
+from miles.rewards.workers import RewardFailure, RewardWorkers
+
+log = logging.getLogger("miles")
 
 
-def load_function(path: str, flag: str) -> Callable:
-    """Import `module:function` (a module name, or a .py file path before the colon)."""
-    if ":" not in path:
-        raise ConfigError(f"{flag} {path!r}: expected module:function, e.g. my_rewards:score")
-    module_name, func_name = path.rsplit(":", 1)
-    try:
-        if module_name.endswith(".py"):
-            file = Path(module_name)
-            if not file.is_file():
-                raise ConfigError(f"{flag} {path!r}: no such file {file}")
-            spec = importlib.util.spec_from_file_location(file.stem, file)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[file.stem] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{flag} {path!r}: cannot import {module_name!r} ({e})") from e
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ConfigError(f"{flag} {path!r}: {module_name} has no function {func_name!r}")
-    return func
-
-
-def _call(func: Callable, *args: Any) -> Any:
-    result = func(*args)
-    if inspect.isawaitable(result):
-        result = asyncio.run(_await(result))
-    return result
-
-
-async def _await(awaitable):
-    return await awaitable
+def as_reward(result: Any) -> float | RewardFailure:
+    """A finite number (or {"score": number}) as the reward; anything else as a failure."""
+    value = result.get("score") if isinstance(result, dict) else result
+    if isinstance(result, RewardFailure):
+        return result
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return RewardFailure("NonNumericReward", f"non-numeric reward {result!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        return RewardFailure("NonFiniteReward", f"non-finite reward {value!r}")
+    return float(value)
 
 
 class RewardRunner:
-    """Fills `sample.reward` for groups of samples; counts failures."""
+    """Fills `sample.reward` for groups of samples; counts and reports failures."""
 
     def __init__(
-        self, rm_type: str, custom_path: str | None, group_rm: bool, timeout: float, task_dataset=None
+        self,
+        rm_type: str,
+        custom_path: str | None,
+        group_rm: bool,
+        timeout: float,
+        task_dataset=None,
+        num_workers: int = 4,
     ) -> None:
         self.timeout, self.group_rm, self.task_dataset = timeout, group_rm, task_dataset
-        self.custom = load_function(custom_path, "--custom-rm-path") if custom_path else None
-        if rm_type == "reasoning_gym" and task_dataset is None and self.custom is None:
+        self.custom_path = custom_path
+        self.workers = None
+        if custom_path:
+            load_function(custom_path, "--custom-rm-path")  # a bad path fails here, before any work
+            self.workers = RewardWorkers(custom_path, num_workers, timeout)
+        if rm_type == "reasoning_gym" and task_dataset is None and custom_path is None:
             raise ConfigError("--rm-type reasoning_gym needs --task")
         self.rm_type = (
             rm_type if rm_type != "auto" else ("reasoning_gym" if task_dataset is not None else "exact")
         )
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="miles-reward")
         self.failures = 0
+        self.failure_kinds: Counter[str] = Counter()
+        self.first_failure: RewardFailure | None = None
 
     def builtin(self, sample: Sample) -> float:
         if self.rm_type == "reasoning_gym":
@@ -80,37 +70,69 @@ class RewardRunner:
             return boxed_answer(sample.response, sample.label)
         return exact_match(sample.response, sample.label)
 
-    def _timed(self, func: Callable, *args: Any) -> Any:
-        return self.pool.submit(_call, func, *args).result(timeout=self.timeout)
+    def _builtin_or_failure(self, sample: Sample) -> Any:
+        try:
+            return self.builtin(sample)
+        except Exception as e:  # noqa: BLE001 - a scorer's error fails this sample only
+            return RewardFailure(type(e).__name__, str(e) or repr(e), traceback.format_exc())
+
+    def _rewards(self, groups: Sequence[Sequence[Sample]]) -> list[Any]:
+        """One raw result per sample, in order (a value or a `RewardFailure`)."""
+        samples = [s for g in groups for s in g]
+        if self.workers is None:
+            return [self._builtin_or_failure(s) for s in samples]
+        if not self.group_rm:
+            return self.workers.map([(s,) for s in samples])
+        out = []
+        for group, result in zip(groups, self.workers.map([(list(g),) for g in groups])):
+            if not isinstance(result, RewardFailure) and (
+                not isinstance(result, (list, tuple)) or len(result) != len(group)
+            ):
+                n = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
+                result = RewardFailure("BadGroupResult", f"returned {n} rewards for a group of {len(group)}")
+            out.extend(result if isinstance(result, (list, tuple)) else [result] * len(group))
+        return out
 
     def score_groups(self, groups: Sequence[Sequence[Sample]]) -> int:
         """Score every sample in place; returns how many failed in this call."""
+        samples = [s for g in groups for s in g]
         failed = 0
-        for group in groups:
-            if self.custom is not None and self.group_rm:
-                try:
-                    rewards = list(self._timed(self.custom, list(group)))
-                    if len(rewards) != len(group):
-                        raise ValueError(f"returned {len(rewards)} rewards for {len(group)} samples")
-                except Exception as e:
-                    rewards = [e] * len(group)
+        for s, raw in zip(samples, self._rewards(groups)):
+            reward = as_reward(raw)
+            if isinstance(reward, RewardFailure):
+                s.reward, s.status = 0.0, Status.FAILED
+                s.metadata["reward_error"] = str(reward)
+                self._report(reward)
+                failed += 1
             else:
-                rewards = []
-                for s in group:
-                    try:
-                        rewards.append(self._timed(self.custom, s) if self.custom else self.builtin(s))
-                    except Exception as e:
-                        rewards.append(e)
-            for s, r in zip(group, rewards):
-                value = r.get("score") if isinstance(r, dict) else r
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                if ok:
-                    s.reward = float(value)
-                else:
-                    s.reward, s.status = 0.0, Status.FAILED
-                    s.metadata["reward_error"] = (
-                        repr(r) if isinstance(r, Exception) else f"non-numeric reward {r!r}"
-                    )
-                    failed += 1
+                s.reward = reward
+                if isinstance(raw, dict):
+                    s.metadata["reward_info"] = {k: v for k, v in raw.items() if k != "score"}
         self.failures += failed
         return failed
+
+    def _report(self, failure: RewardFailure) -> None:
+        """Print the first failure of each kind in full; count the rest."""
+        if self.first_failure is None:
+            self.first_failure = failure
+        self.failure_kinds[failure.kind] += 1
+        if self.failure_kinds[failure.kind] == 1:
+            where = self.custom_path or f"--rm-type {self.rm_type}"
+            log.error(
+                "reward %s failed: %s (further failures of this kind are counted in reward_failed)%s",
+                where,
+                failure,
+                "\n" + failure.traceback.rstrip() if failure.traceback else "",
+            )
+
+    def check_rollout(self, failed: int, total: int, rollout_id: int) -> None:
+        """Stop the run when no sample of a rollout got a reward: nothing could be learned."""
+        if total and failed == total:
+            raise MilesError(
+                f"every reward of rollout {rollout_id} failed ({failed}/{total}); the first: {self.first_failure}. "
+                f"Fix the reward function ({self.custom_path or self.rm_type}); the traceback is printed above"
+            )
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()

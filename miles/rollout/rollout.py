@@ -69,6 +69,7 @@ def rollout(
     )
     failed = rewards.score_groups(groups)
     samples = [s for g in groups for s in g]
+    rewards.check_rollout(failed, len(samples), rollout_id)
     metrics = {
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         "accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),

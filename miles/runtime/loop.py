@@ -23,7 +23,8 @@ from miles.config.schema import RunConfig
 from miles.errors import MilesError
 from miles.models import registry
 from miles.models.checkpoint import hf_state_dict, save_model
-from miles.rewards.runner import RewardRunner, load_function
+from miles.rewards.functions import load_function
+from miles.rewards.runner import RewardRunner
 from miles.rollout.engine import Engine
 from miles.rollout.rollout import generate_groups, rollout
 from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -263,6 +264,7 @@ def train(cfg: RunConfig) -> Path:
         cfg.reward.group_rm,
         cfg.reward.reward_timeout,
         data.task_dataset,
+        cfg.reward.reward_num_workers,
     )
     keep = None
     if cfg.rollout.dynamic_sampling_filter_path:
@@ -271,12 +273,15 @@ def train(cfg: RunConfig) -> Path:
     max_seq_len = min(
         policy.config.max_position_embeddings, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1
     )
-    actor, engine = build_executor(cfg, policy, tokenizer, max_seq_len)
     try:
-        return run_loop(cfg, policy, tokenizer, data, rewards, keep, actor, engine)
+        actor, engine = build_executor(cfg, policy, tokenizer, max_seq_len)
+        try:
+            return run_loop(cfg, policy, tokenizer, data, rewards, keep, actor, engine)
+        finally:
+            if hasattr(engine, "shutdown"):  # Ray: stop the actors, free the placement group
+                engine.shutdown()
     finally:
-        if hasattr(engine, "shutdown"):  # Ray: stop the actors, free the placement group
-            engine.shutdown()
+        rewards.close()
 
 
 def resume(cfg: RunConfig, policy, actor, engine, data, metrics: MetricsLogger) -> int:
@@ -302,6 +307,14 @@ def train_step(cfg: RunConfig, groups, rollout_id: int, actor) -> dict[str, floa
     trainer and the engine disagree."""
     samples = [s for g in groups for s in g]
     metrics = actor.train(samples, compute_advantages(groups, cfg, actor))
+    limit = cfg.train.max_consecutive_skipped_steps
+    if limit and metrics.get("consecutive_skipped_steps", 0) >= limit:
+        raise MilesError(
+            f"{int(metrics['consecutive_skipped_steps'])} optimizer steps in a row were skipped for a non-finite loss "
+            f"or gradient (rollout {rollout_id}, loss {metrics.get('loss')}): the weights or the data hold NaN/inf, "
+            "or training diverged. Check the model (NaN weights?), lower --lr, or raise "
+            "--max-consecutive-skipped-steps"
+        )
     gap = metrics.get("train_rollout_logprob_abs_diff", 0.0)
     if cfg.algo.verify_logprobs and gap > cfg.algo.verify_logprobs_threshold:
         raise MilesError(

@@ -199,6 +199,7 @@ class TrainerActor(GroupSender):
         )
         self.actor.scheduler.load_state_dict(actor_state["scheduler"])
         self.actor.skipped_steps = actor_state["skipped_steps"]
+        self.actor.consecutive_skipped = actor_state.get("consecutive_skipped", 0)
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         return self.actor.reference_kl(samples)

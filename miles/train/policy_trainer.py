@@ -97,6 +97,7 @@ class PolicyTrainer:
         if needs_reference(cfg):
             self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.skipped_steps = 0
+        self.consecutive_skipped = 0  # optimizer steps skipped in a row (reset by a taken step)
         # set by a data-parallel runner: averages gradients over ranks, returns whether every rank is finite
         self.grad_sync = None
         # set by a data-parallel runner: sums a float64 tensor over ranks (global counts and losses)
@@ -108,12 +109,14 @@ class PolicyTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "consecutive_skipped": self.consecutive_skipped,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
+        self.consecutive_skipped = state.get("consecutive_skipped", 0)
 
     def sync_policy(self) -> None:
         """The driver's policy is this trainer's own model here: nothing to fetch (the Ray
@@ -199,7 +202,7 @@ class PolicyTrainer:
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
 
-        def log(name: str, value, weight: float = 1.0) -> None:
+        def record(name: str, value, weight: float = 1.0) -> None:
             sums[name] += float(value) * weight
             weights[name] += weight
 
@@ -228,7 +231,7 @@ class PolicyTrainer:
                     if k in step_losses:
                         step_losses[k] += v
                     else:
-                        log(k, v, tokens)
+                        record(k, v, tokens)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -238,7 +241,7 @@ class PolicyTrainer:
                 finite = self.grad_sync(finite)
             present = [k for k in ADDITIVE_METRICS if k in parts]  # the same keys on every rank
             for k, v in zip(present, self._sum_over_ranks([step_losses[k] for k in present])):
-                log(k, v)
+                record(k, v)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
             )
@@ -246,15 +249,26 @@ class PolicyTrainer:
                 grad_norm = grad_norm.full_tensor()
             if not finite or not torch.isfinite(grad_norm):
                 self.skipped_steps += 1
+                self.consecutive_skipped += 1
+                if self.consecutive_skipped == 1:
+                    log.warning(
+                        "optimizer step skipped: the %s is not finite (loss %s, grad norm %s); the weights are kept",
+                        "loss" if not finite else "gradient",
+                        step_losses["loss"],
+                        float(grad_norm),
+                    )
                 self.optimizer.zero_grad(set_to_none=True)
-                log("skipped_step", 1)
+                record("skipped_step", 1)
                 continue
-            log("grad_norm", grad_norm)
-            log("lr", self.scheduler.get_last_lr()[0])
+            self.consecutive_skipped = 0
+            record("grad_norm", grad_norm)
+            record("lr", self.scheduler.get_last_lr()[0])
             self.optimizer.step()
             self.scheduler.step()
-            log("skipped_step", 0)
-        return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+            record("skipped_step", 0)
+        out = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+        out["consecutive_skipped_steps"] = self.consecutive_skipped
+        return out
 
     def _micro_batch(
         self, samples, advantages, old, ref, denominator: float
