@@ -11,6 +11,21 @@ from miles.errors import MilesError
 DEFAULT_JOB = Path(__file__).resolve().parent / "assets" / "default_train.yaml"
 
 
+def number(kind: type, low: float, low_open: bool = False):
+    """An argparse type: `kind` (int or float) of at least `low` (above it, with `low_open`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low or (low_open and value == low) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low}, got {text}")
+        return value
+
+    return parse
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from miles.models import registry
     from miles.rollout import Engine, Request, SamplingParams
@@ -38,8 +53,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from miles.rollout.server import EngineServer
 
     model, tokenizer = registry.load(args.model)
+    context = model.config.max_position_embeddings
+    if args.max_seq_len > context:
+        print(f"miles serve: --max-seq-len {args.max_seq_len} is beyond the model's context; using {context}")
     engine = Engine(
-        model, tokenizer, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, seed=args.seed
+        model,
+        tokenizer,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=min(args.max_seq_len, context),
+        seed=args.seed,
     )
     server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model).start()
     print(
@@ -69,7 +91,8 @@ def default_job_argv(rest: list[str]) -> list[str]:
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     import logging
 
-    from miles.config import load_config
+    from miles.config import describe, load_config
+    from miles.logs import setup_logging
     from miles.runtime.loop import train
 
     argv = default_job_argv(rest)
@@ -81,7 +104,9 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
             + "; see miles train --help"
         )
     cfg = load_config(argv)
-    logging.basicConfig(level=cfg.logging.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = setup_logging(cfg.logging.log_level)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("resolved configuration (defaults < YAML < flags):\n%s", describe(cfg))
     run_dir = train(cfg)
     print(f"miles train: done; metrics in {run_dir / 'metrics.jsonl'} (plot them: miles plot {run_dir})")
     return 0
@@ -134,12 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument(
-        "--max-new-tokens", type=int, default=32, help="stop after this many new tokens (default: 32)"
+        "--max-new-tokens",
+        type=number(int, 1),
+        default=32,
+        help="stop after this many new tokens (default: 32)",
     )
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn"
     )
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    gen.add_argument(
+        "--temperature", type=number(float, 0), default=0.0, help="0 = greedy (default); > 0 samples"
+    )
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     gen.set_defaults(func=cmd_generate)
 
@@ -156,11 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
-    serve.add_argument("--port", type=int, default=30000, help="port (default 30000, SGLang's)")
+    serve.add_argument("--port", type=number(int, 0), default=30000, help="port (default 30000, SGLang's)")
     serve.add_argument(
-        "--max-batch-size", type=int, default=64, help="requests decoded together (KV-cache slots)"
+        "--max-batch-size", type=number(int, 1), default=64, help="requests decoded together (KV-cache slots)"
     )
-    serve.add_argument("--max-seq-len", type=int, default=2048, help="prompt + response tokens per request")
+    serve.add_argument(
+        "--max-seq-len",
+        type=number(int, 2),
+        default=2048,
+        help="prompt + response tokens per request (at most the model's context; capped there)",
+    )
     serve.add_argument("--seed", type=int, default=0, help="engine seed; a request's own seed overrides it")
     serve.set_defaults(func=cmd_serve)
 
@@ -183,12 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--input-key", default="input", help="prompt field of --data")
     sft.add_argument("--label-key", default="label", help="answer field of --data")
     sft.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
-    sft.add_argument("--steps", type=int, default=1000, help="optimizer steps")
-    sft.add_argument("--batch-size", type=int, default=64, help="examples per step")
-    sft.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    sft.add_argument("--steps", type=number(int, 1), default=1000, help="optimizer steps")
+    sft.add_argument("--batch-size", type=number(int, 1), default=64, help="examples per step")
+    sft.add_argument("--lr", type=number(float, 0, low_open=True), default=1e-3, help="AdamW learning rate")
     sft.add_argument("--seed", type=int, default=0, help="seed for init and data order")
-    sft.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
-    sft.add_argument("--target-accuracy", type=float, help="stop once held-out accuracy reaches this")
+    sft.add_argument(
+        "--eval-every", type=number(int, 1), default=100, help="steps between held-out evaluations"
+    )
+    sft.add_argument(
+        "--target-accuracy", type=number(float, 0), help="stop once held-out accuracy reaches this"
+    )
     sft.add_argument("--save", help="write the model (HF checkpoint) here")
     sft.add_argument("--log", help="write per-step loss/accuracy JSONL here")
     sft.set_defaults(func=cmd_sft)
@@ -204,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from miles.logs import setup_logging
+
+    setup_logging("INFO")  # warnings and errors of every command reach the terminal
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train":  # miles train has its own generated parser (miles.config)

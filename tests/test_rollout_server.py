@@ -145,3 +145,61 @@ def test_flush_cache_and_update_weights_from_disk(server, tmp_path):
     assert out["meta_info"]["weight_version"] == 3
     status, out = call(server.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert status == 400 and "no such file" in out["error"]
+
+
+def test_a_large_body_is_refused_before_it_is_read(server):
+    import socket
+    import time
+
+    from miles.rollout.server import MAX_BODY_BYTES
+
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {10 * 1024**2}\r\n\r\n"
+    ).encode()
+    t0 = time.perf_counter()
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(head + b'{"text": "' + b"a" * 65536)  # the rest of the 10 MB never comes
+        reply = sock.recv(65536).decode()
+    elapsed = time.perf_counter() - t0
+    assert reply.startswith("HTTP/1.1 413") and str(MAX_BODY_BYTES) in reply
+    assert elapsed < 0.1, elapsed
+
+
+def test_nan_weights_from_disk_are_refused_and_the_served_weights_kept(server, tmp_path):
+    tok = byte_tokenizer()
+    bad = random_model("qwen3_moe", seed=3, vocab_size=len(tok))
+    with torch.no_grad():
+        bad.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+    save_model(bad, tmp_path / "bad")
+    before = {k: v.clone() for k, v in server.engine.model.state_dict().items()}
+    status, out = call(server.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "bad")})
+    assert status == 400 and "q_proj.weight" in out["error"] and "NaN" in out["error"]
+    assert all(torch.equal(v, before[k]) for k, v in server.engine.model.state_dict().items())
+
+
+def test_generation_stops_at_the_model_context():
+    tok = byte_tokenizer()
+    model = random_model("qwen3", vocab_size=len(tok), max_position_embeddings=24)
+    engine = Engine(model, tok, max_batch_size=1, max_seq_len=2048)
+    assert engine.max_seq_len == 24
+    out = engine.generate([Request(list(range(5, 15)), SamplingParams(max_new_tokens=100, ignore_eos=True))])[0]
+    assert len(out.tokens) == 24 and out.status.value == "truncated"
+
+
+def test_a_client_that_disconnects_is_not_an_error(server, capfd):
+    import socket
+
+    body = json.dumps({"text": "1+1=", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}).encode()
+    for _ in range(3):
+        with socket.create_connection((server.host, server.port), timeout=10) as sock:
+            sock.sendall(
+                f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+            )
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    assert call(server.url, "/health")[0] == 200
+    import time
+
+    time.sleep(1.0)  # the abandoned requests finish and their replies hit closed sockets
+    err = capfd.readouterr().err
+    assert "BrokenPipeError" not in err and "ConnectionResetError" not in err and "Traceback" not in err

@@ -364,5 +364,15 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         cfg.logging.profile = True  # asking where profiles go asks for one
 
 
+def describe(cfg: RunConfig) -> str:
+    """Every setting that differs from its default, one `section.name = value` per line."""
+    lines = []
+    for info in FIELDS.values():
+        value = getattr(getattr(cfg, info.section), info.name)
+        if value != info.default:
+            lines.append(f"  {info.section}.{info.name} = {value!r}")
+    return "\n".join(lines) or "  (all defaults)"
+
+
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)

@@ -156,7 +156,7 @@ class RewardWorkers:
                     )
                     fresh = self._replace(worker)
                     starting[fresh.conn] = fresh
-            for conn, worker in list(starting.items()):
+            for worker in list(starting.values()):
                 if worker.started + STARTUP_TIMEOUT <= now:
                     raise RuntimeError(
                         f"--custom-rm-path {self.path}: a reward process did not import the function within "

@@ -67,7 +67,8 @@ class Engine:
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
         self.slots = max_batch_size
-        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        context = model.config.max_position_embeddings  # never generate past what the model knows
+        self.max_seq_len = min(max_seq_len or context, context)
         self.cache = model.new_cache(self.slots, self.max_seq_len)
         self.seed = seed
         # while requests are decoding, admit waiting ones only once this many slots are free

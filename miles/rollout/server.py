@@ -16,6 +16,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+
 from miles.data.sample import Sample
 from miles.errors import MilesError
 from miles.rollout.engine import Engine, Request
@@ -45,8 +47,15 @@ TOP_LEVEL_KEYS = {
 }
 
 
+MAX_BODY_BYTES = 8 * 1024**2  # larger request bodies are refused (413) before they are read
+
+
 class BadRequest(Exception):
-    pass
+    status = HTTPStatus.BAD_REQUEST
+
+
+class TooLarge(BadRequest):
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
 
 
 def parse_sampling(raw: Any) -> SamplingParams:
@@ -186,16 +195,33 @@ class EngineServer:
             def log_message(self, *args) -> None:  # quiet by default
                 pass
 
-            def _send(self, status: int, payload: Any) -> None:
+            def _send(self, status: int, payload: Any, close: bool = False) -> None:
                 body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    if close:  # the unread body stays on the socket: end the connection
+                        self.send_header("Connection", "close")
+                        self.close_connection = True
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the client left; nothing to tell it
+                    self.close_connection = True
+
+            def handle(self) -> None:
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):  # a client that disconnects is not an error
+                    pass
 
             def _body(self) -> Any:
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    raise BadRequest("Content-Length is not a number") from None
+                if length > MAX_BODY_BYTES:
+                    raise TooLarge(f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
                 raw = self.rfile.read(length) if length else b""
                 try:
                     return json.loads(raw or b"{}")
@@ -240,7 +266,7 @@ class EngineServer:
                     else:
                         self._send(404, {"error": f"no such endpoint: POST {self.path}"})
                 except BadRequest as e:
-                    self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+                    self._send(e.status, {"error": str(e)}, close=isinstance(e, TooLarge))
                 except MilesError as e:
                     self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
                 except Exception as e:  # a bug: report it, keep serving
@@ -286,7 +312,14 @@ class EngineServer:
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise BadRequest("weight_version must be an integer")
         new = load_model(body["model_path"])
-        self.engine.update_weights(hf_state_dict(new).items(), version=version)
+        state = hf_state_dict(new)
+        bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise BadRequest(
+                f"{body['model_path']}: tensor {bad[0]!r} holds NaN or inf ({len(bad)} such tensor(s)); "
+                "the served weights are unchanged"
+            )
+        self.engine.update_weights(state.items(), version=version)
         return {
             "success": True,
             "message": f"loaded {body['model_path']}",

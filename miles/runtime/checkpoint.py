@@ -7,6 +7,7 @@ then `latest` is replaced atomically, so a run killed at any moment leaves only 
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -17,9 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.errors import ConfigError
+from miles.errors import CheckpointError, ConfigError
 from miles.models.checkpoint import load_state_dict_into as _load_into
 from miles.models.checkpoint import read_tensors, save_model, tensor_files
+
+log = logging.getLogger("miles")
 
 
 def rng_state() -> dict[str, Any]:
@@ -71,9 +74,37 @@ def latest_checkpoint(load_dir: str | Path) -> Path | None:
 
 def load_checkpoint(path: Path, model) -> dict[str, Any]:
     """Load weights into `model` (checked tensor by tensor) and return the trainer state."""
+    try:
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state["rng"], state["rollout_id"]  # noqa: B018 - a torn or foreign file fails here
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not ours
+        raise CheckpointError(f"{path / 'trainer_state.pt'}: cannot be read ({type(e).__name__}: {e})") from e
     files = tensor_files(path / "model")
     state_dict = read_tensors(path / "model", files, files.keys())
     _load_into(model, state_dict, str(path / "model"))
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
     set_rng_state(state["rng"])
     return state
+
+
+def load_latest(load_dir: str | Path, model) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of `load_dir` that loads (into `model`) and its trainer state; a
+    corrupt newer one is named in a warning and the one before it is tried. None: no checkpoint."""
+    latest = latest_checkpoint(load_dir)
+    if latest is None:
+        return None
+    older = sorted(
+        (
+            p
+            for p in Path(load_dir).glob("iter_*")
+            if p.name < latest.name and (p / "trainer_state.pt").exists()
+        ),
+        reverse=True,
+    )
+    errors = []
+    for path in [latest, *older]:
+        try:
+            return path, load_checkpoint(path, model)
+        except CheckpointError as e:
+            errors.append(str(e))
+            log.warning("checkpoint %s cannot be loaded (%s); trying the one before it", path.name, e)
+    raise CheckpointError(f"--load {load_dir}: no checkpoint loads; the newest: {errors[0]}")

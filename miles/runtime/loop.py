@@ -27,7 +27,7 @@ from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.engine import Engine
 from miles.rollout.rollout import generate_groups, rollout
-from miles.runtime.checkpoint import clear_stale, latest_checkpoint, load_checkpoint, save_checkpoint
+from miles.runtime.checkpoint import clear_stale, load_latest, save_checkpoint
 from miles.runtime.metrics import MetricsLogger
 from miles.runtime.profiling import StepProfiler
 from miles.runtime.setup import build_data, resolve_device, run_dir_for
@@ -232,6 +232,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
         check_divisible(policy, tp)  # before any actor starts
     placement = create_placement(plan_layout(ranks, devices, sy.colocate), cfg.model.device)
     layout = placement.layout
+    log.debug("placement on Ray (device %s): %s", cfg.model.device, layout)
     manager = RolloutManager(
         cfg.model.model,
         devices // tp,
@@ -290,8 +291,8 @@ def resume(cfg: RunConfig, policy, actor, engine, data, metrics: MetricsLogger) 
     for d in (cfg.checkpoint.save, cfg.checkpoint.load):
         if d:
             clear_stale(d)
-    if cfg.checkpoint.load and (ckpt := latest_checkpoint(cfg.checkpoint.load)) is not None:
-        state = load_checkpoint(ckpt, policy)
+    if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, policy)) is not None:
+        ckpt, state = loaded
         actor.load_state_dict(state["actor"])
         data.train.position = state["data_position"]
         engine.update_weights(hf_state_dict(policy).items(), version=state["rollout_id"] + 1)
@@ -348,6 +349,14 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
     )
     staging = BucketBuffer()  # one weight-sync staging buffer for the whole run
     broadcast_from = None if zero_copy else broadcast_source(cfg, actor, engine)  # zero-copy first
+    transport = (
+        "zero-copy (shared memory handles)"
+        if zero_copy
+        else "broadcast over the weight-update group"
+        if broadcast_from is not None
+        else f"buckets of {cfg.sync.sync_bucket_size} bytes"
+    )
+    log.debug("weight sync: %s, every %d rollout(s)", transport, cfg.sync.update_weights_interval)
     start = resume(cfg, policy, actor, engine, data, metrics)
     last_eval = float("nan")
     if start == 0 and data.eval_items:
@@ -418,6 +427,10 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
                 step.update(
                     sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
                 )
+                log.debug(
+                    "rollout %d: weight sync v%d: %d tensors in %d buckets, %d bytes moved, %.3f s",
+                    rollout_id, rollout_id + 1, sync.tensors, sync.buckets, sync.moved_bytes, sync.seconds,
+                )  # fmt: skip
         t2 = time.perf_counter()
         step.update(
             rollout_time=t1 - t0, train_time=t2 - t1, step_time=t2 - t0, weight_version=engine.weight_version
@@ -430,6 +443,14 @@ def run_loop(cfg: RunConfig, policy, tokenizer, data, rewards: RewardRunner, kee
                 step.update(evaluate(engine, data.eval_items, cfg, rewards))
             else:  # after the running rollout, on its thread: the engine serves one caller at a time
                 step.update(pool.submit(evaluate, engine, data.eval_items, cfg, rewards).result())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "rollout %d: rollout %.2f s, train+sync %.2f s; rewards failed %d; mismatch: %s",
+                rollout_id, step["rollout_time"], step["train_time"], step.get("reward_failed", 0),
+                ", ".join(
+                    f"{k}={v:.4g}" for k, v in step.items() if k.startswith(("train_rollout", "tis_", "routing_mismatch"))
+                ) or "-",
+            )  # fmt: skip
         metrics.log(rollout_id, step)
         profiler.step()
         last_eval = step.get("eval_accuracy", last_eval)

@@ -56,12 +56,8 @@ class MetricsLogger:
         """Drop lines past `rollout_id` (a resumed run rewrites them)."""
         if not self.path.exists():
             return
-        keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line)["rollout"] <= rollout_id
-        ]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        keep = [record for record in parse_metrics(self.path) if record["rollout"] <= rollout_id]
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in keep))
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         record = {"rollout": rollout_id, **metrics}
@@ -82,6 +78,28 @@ class MetricsLogger:
             self.wb.finish()
 
 
+def parse_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a line a killed run left half-written is skipped with a warning."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning(
+                "%s: line %d is not whole JSON (a run killed while writing it?); skipped", path, number
+            )
+            continue
+        if isinstance(record, dict) and "rollout" in record:
+            records.append(record)
+        else:
+            log.warning("%s: line %d is not a metrics record; skipped", path, number)
+    return records
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        raise MilesError(f"{path}: no such file; is {run_dir} a miles run directory?")
+    return parse_metrics(path)
