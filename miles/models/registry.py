@@ -25,9 +25,9 @@ NAMES = ("tiny", "tiny-random", "smollm2")
 def model_path(spec: str) -> Path | None:
     """The file or directory a model name or path stands for (None: the random tiny model)."""
     if spec == "smollm2":
-        from miles.models.gguf import smollm2_gguf_path
+        from miles.models.gguf import gguf_checkpoint, smollm2_gguf_path
 
-        return smollm2_gguf_path()
+        return gguf_checkpoint(smollm2_gguf_path())
     if spec == "tiny":
         return TINY_BASE if (TINY_BASE / "config.json").exists() else None
     if spec == "tiny-random":
@@ -38,7 +38,23 @@ def model_path(spec: str) -> Path | None:
             f"--model {spec!r}: no such file or directory; give a Hugging Face checkpoint directory, "
             f"a .gguf file, or one of {list(NAMES)}"
         )
+    if path.suffix == ".gguf":
+        from miles.models.gguf import gguf_checkpoint
+
+        return gguf_checkpoint(path)
     return path
+
+
+def context_length(spec: str) -> int:
+    """The model's context (max_position_embeddings), read from its config alone."""
+    if spec == "tiny-random":
+        return tiny_moe_config(vocab_size=len(byte_tokenizer())).max_position_embeddings
+    path = model_path(spec)
+    if path is None:
+        return tiny_moe_config(vocab_size=len(byte_tokenizer())).max_position_embeddings
+    if path.suffix == ".gguf":  # the cache could not be written: the weights tell
+        return load_model(path).config.max_position_embeddings
+    return read_config(path).max_position_embeddings
 
 
 def tokenizer_for(spec: str):

@@ -20,7 +20,7 @@ from miles.algo import advantages as adv_lib
 from miles.algo.filters import nonconstant_reward
 from miles.config import to_dict
 from miles.config.schema import RunConfig
-from miles.errors import MilesError
+from miles.errors import ConfigError, MilesError
 from miles.models import registry
 from miles.models.checkpoint import hf_state_dict, save_model
 from miles.rewards.functions import load_function
@@ -252,6 +252,12 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int):
 
 
 def train(cfg: RunConfig) -> Path:
+    context = registry.context_length(cfg.model.model)
+    if cfg.rollout.rollout_max_response_len >= context:
+        raise ConfigError(
+            f"--rollout-max-response-len {cfg.rollout.rollout_max_response_len} does not fit the context of "
+            f"--model {cfg.model.model} ({context} tokens, prompt included); use less than {context}"
+        )
     torch.manual_seed(cfg.train.seed)
     policy, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)
     if tokenizer is None:

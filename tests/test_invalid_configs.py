@@ -1,0 +1,106 @@
+"""Held-out list of bad `miles train` invocations: each fails fast, names the flag or file, loses nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from miles.cli import main
+
+
+def files(tmp_path):
+    """Paths the cases point at: a plain file, an empty directory, bad prompt files."""
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "null_prompt.jsonl").write_text(json.dumps({"input": None, "label": "1"}) + "\n")
+    (tmp_path / "bad.yaml").write_text("rollout: [unclosed\n")
+    (tmp_path / "typo.yaml").write_text("rollout:\n  rollout_batch_sise: 4\n")
+    return tmp_path
+
+
+CASES = [
+    (["--eps-clip", "-1"], "--eps-clip must be in (0, 1), got -1.0"),
+    (["--reward-timeout", "0"], "--reward-timeout must be > 0, got 0.0"),
+    (["--reward-timeout", "-5"], "--reward-timeout must be > 0"),
+    (["--eval-interval", "-1"], "--eval-interval must be >= 0, got -1"),
+    (["--save-interval", "-1"], "--save-interval must be >= 0"),
+    (["--eval-size", "-5"], "--eval-size must be >= 0"),
+    (["--update-weights-interval", "0"], "--update-weights-interval must be >= 1"),
+    (["--rollout-temperature", "-1"], "--rollout-temperature must be >= 0"),
+    (["--rollout-top-p", "0"], "--rollout-top-p must be in (0, 1]"),
+    (["--rollout-top-p", "1.5"], "--rollout-top-p must be in (0, 1]"),
+    (["--rollout-top-k", "0"], "--rollout-top-k must be -1 (off) or >= 1"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must be in [0, 1)"),
+    (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    (["--clip-grad", "-0.5"], "--clip-grad must be >= 0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    (["--num-rollout", "0"], "--num-rollout must be >= 1"),
+    (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
+    (["--kl-loss-coef", "0.5"], "--kl-loss-coef 0.5 has no effect without --use-kl-loss"),
+    (["--tis-clip-low", "3"], "--tis-clip-low 3.0 is above --tis-clip 2.0"),
+    (["--eps-clip-c", "0.5"], "--eps-clip-c must be > 1"),
+    (["--sync-bucket-size", "0"], "--sync-bucket-size must be >= 1"),
+    (["--max-consecutive-skipped-steps", "-1"], "--max-consecutive-skipped-steps must be >= 0"),
+    (["--reward-num-workers", "0"], "--reward-num-workers must be >= 1"),
+    (["--min-lr", "1"], "--min-lr 1.0 is above --lr"),
+    (["--debug-rollout-only", "--save", "{tmp}/ckpt"], "--debug-rollout-only never trains"),
+    (["--output-dir", "{tmp}/a_file"], "--output-dir {tmp}/a_file: is a file"),
+    (["--save", "{tmp}/a_file"], "--save {tmp}/a_file: is a file"),
+    (["--load", "{tmp}/missing"], "--load {tmp}/missing: no such directory"),
+    (["--load", "{tmp}/empty"], "--load {tmp}/empty: holds no checkpoint"),
+    (["--prompt-data", "{tmp}/null_prompt.jsonl"], "record 0: 'input' (--input-key) is None"),
+    (["--prompt-data", "{tmp}/nothing.jsonl"], "--prompt-data {tmp}/nothing.jsonl: no such file"),
+    (["--config", "{tmp}/bad.yaml"], "--config {tmp}/bad.yaml: not valid YAML"),
+    (
+        ["--config", "{tmp}/typo.yaml"],
+        "unknown key rollout.rollout_batch_sise; did you mean --rollout-batch-size?",
+    ),
+    (["--rollout-max-response-len", "100000"], "--rollout-max-response-len 100000 does not fit the context"),
+    (["--model", "{tmp}/missing_model"], "--model '{tmp}/missing_model': no such file or directory"),
+    (["--rollout-batch-sise", "4"], "unknown flag --rollout-batch-sise; did you mean --rollout-batch-size?"),
+    (["--advantage-estimator", "ppo2"], "--advantage-estimator"),
+    (["--global-batch-size", "7"], "must equal --global-batch-size 7"),
+    (
+        ["--rollout-batch-size", "3", "--over-sampling-batch-size", "2"],
+        "--over-sampling-batch-size must be >=",
+    ),
+    (
+        ["--rollout-batch-size", "3", "--over-sampling-batch-size", "2"],
+        "--over-sampling-batch-size must be >=",
+    ),
+    (["--colocate", "--async-weight-sync"], "--colocate with --async-weight-sync"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_invocation_fails_fast_naming_the_flag(tmp_path, capsys, argv, fragment):
+    tmp = files(tmp_path)
+    argv = [a.replace("{tmp}", str(tmp)) for a in argv]
+    t0 = time.perf_counter()
+    # a tiny job underneath, so a case that is wrongly accepted costs seconds, not the default job's minutes
+    base = [
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--eval-size",
+        "2",
+    ]
+    out = [] if "--output-dir" in argv else ["--output-dir", str(tmp / "out")]
+    try:
+        code = main(["train", *base, *out, *argv])
+    except SystemExit as e:  # argparse's own refusals (unknown choice) exit 2 the same way
+        code = e.code
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert fragment.replace("{tmp}", str(tmp)) in err, err
+    assert elapsed < 10, elapsed
+    assert not (tmp / "out" / "metrics.jsonl").exists()  # no work was started
+    assert len(CASES) >= 30
