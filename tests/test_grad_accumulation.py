@@ -9,17 +9,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import ray
 import torch
 
 from miles.algo.masked import AGG_MODES, aggregate
 from miles.config import make_config
 from miles.data.sample import Sample
-from miles.models.checkpoint import save_model
-from miles.runtime.ray_train import TrainerActor, shard
+from miles.runtime.ray_train import shard
 from miles.train.logprobs import forward_logprobs, pack
 from miles.train.policy_trainer import PolicyTrainer
-from tests.conftest import free_port, random_model
+from tests.conftest import random_model
 
 N_SAMPLES = 48  # one global batch; 7 does not divide it (a ragged last micro-batch)
 MAX_RESPONSE = 12
@@ -115,28 +113,68 @@ def test_entropy_and_kl_terms_accumulate_exactly_too():
     )
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-def test_two_ranks_take_the_global_batch_step(ray_cluster, tmp_path, agg):
-    """Rank shards of unequal token counts (long samples on rank 0, short on rank 1) and a ragged
-    micro-batch: the ranks' step, gradient norm and loss are those of one process on the batch."""
+def _rank(rank: int, port: int, out) -> None:
+    """One of two gloo ranks: every aggregation mode and micro-batch size on this rank's half
+    (long samples on rank 0, short on rank 1), with the production all-reduce helpers."""
+    import os
+
+    import torch.distributed as dist
+
+    from miles.runtime.ray_train import all_reduce_gradients, all_sum
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
     samples, advantages = make_samples()
-    model = random_model("qwen3")
-    save_model(model, tmp_path / "model")
-    single = PolicyTrainer(model, config(agg, 256, lr=1e-2)).train(samples, advantages)
-    values = settings(agg, 7, lr=1e-2, model=str(tmp_path / "model"))
+    mine = shard(list(range(N_SAMPLES)), 2)[rank]
+    results = {}
+    for agg in AGG_MODES:
+        for micro in (1, 7, 64, 256):
+            model = random_model("qwen3")
+            trainer = PolicyTrainer(model, config(agg, micro), world=2)
+            trainer.grad_sync = lambda finite, m=model: all_reduce_gradients(m, finite)
+            trainer.all_sum = lambda values: all_sum(values, torch.device("cpu"))
+            metrics = trainer.train([samples[i] for i in mine], [advantages[i] for i in mine])
+            results[agg, micro] = (
+                metrics["pg_loss"],
+                {
+                    n: p.grad.numpy().copy() for n, p in model.named_parameters()
+                },  # by value, not shared memory
+            )
+    out.put((rank, results))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_take_the_global_batch_step():
+    """Two gloo ranks whose shards differ in token count, every mode and micro-batch size: each
+    rank's gradient and logged loss are the one-process global batch's."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
     port = free_port()
-    ranks = [TrainerActor.remote(r, 2, port, values) for r in range(2)]
-    try:
-        per_rank = ray.get(
-            [r.train.remote(s, a) for r, s, a in zip(ranks, shard(samples, 2), shard(advantages, 2))]
-        )
-        states = ray.get([r.state_dict.remote() for r in ranks])
-    finally:
-        ray.get([r.shutdown.remote() for r in ranks])
-    for key in ("loss", "pg_loss", "grad_norm"):
-        for m in per_rank:
-            assert m[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
-    for name, want in model.state_dict().items():
-        assert torch.allclose(states[0][name], want, atol=1e-4), (
-            name
-        )  # Adam: a wrong gradient sign moves 2e-2
+    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    samples, advantages = make_samples()
+    for agg in AGG_MODES:
+        want = one_batch_gradient(random_model("qwen3"), samples, advantages, agg)
+        for micro in (1, 7, 64, 256):
+            for rank in (0, 1):
+                loss, grads = got[rank][agg, micro]
+                assert loss == pytest.approx(hand_loss(samples, advantages, agg), abs=1e-5), (
+                    agg,
+                    micro,
+                    rank,
+                )
+                for name, g in grads.items():
+                    assert torch.allclose(torch.from_numpy(g), want[name], atol=1e-5, rtol=1e-4), (
+                        agg,
+                        micro,
+                        rank,
+                    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -36,32 +35,6 @@ def hanging_reward(tmp_path) -> str:
     """A light module (a killed worker's replacement re-imports it) as --custom-rm-path."""
     (tmp_path / "hang_reward.py").write_text(HANGS_ON_A_FIFTH)
     return f"{tmp_path / 'hang_reward.py'}:reward"
-
-
-def always_raises(sample):
-    raise ValueError(f"cannot parse {sample.response[:10]!r}")
-
-
-def returns_none(sample):
-    return None
-
-
-def returns_nan(sample):
-    return math.nan
-
-
-def returns_text(sample):
-    return "correct"
-
-
-def exits(sample):
-    sys.exit(3)
-
-
-def dies(sample):
-    import os
-
-    os._exit(7)
 
 
 def test_a_hung_call_does_not_block_the_calls_after_it(tmp_path):
@@ -98,7 +71,7 @@ def test_a_hung_call_does_not_block_the_calls_after_it(tmp_path):
     ],
 )
 def test_a_reward_that_fails_every_sample_stops_the_run_and_says_why(tmp_path, caplog, func, kind, shown):
-    args = small_run_args(tmp_path / "run", 3) + ["--custom-rm-path", f"tests.test_reliability:{func}"]
+    args = small_run_args(tmp_path / "run", 3) + ["--custom-rm-path", f"tests.reward_fixtures:{func}"]
     with pytest.raises(MilesError, match=f"every reward of rollout 0 failed \\(16/16\\).*{kind}"):
         train(load_config(args))
     printed = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
@@ -129,7 +102,7 @@ def test_nan_weights_stop_the_run_after_the_skipped_steps(tmp_path, monkeypatch,
 
 
 def test_cli_exit_status_is_not_zero_when_the_reward_fails(tmp_path):
-    args = small_run_args(tmp_path / "run", 2) + ["--custom-rm-path", "tests.test_reliability:always_raises"]
+    args = small_run_args(tmp_path / "run", 2) + ["--custom-rm-path", "tests.reward_fixtures:always_raises"]
     proc = subprocess.run(
         [sys.executable, "-m", "miles.cli", "train", *args],
         cwd=ROOT,
@@ -167,3 +140,92 @@ def test_a_run_whose_reward_hangs_on_a_fifth_learns_and_exits(tmp_path):
         assert 0.05 < r["reward_failed"] / 128 < 0.4, r["reward_failed"]
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]
     assert evals[-1] > evals[0] + 0.1, evals
+
+
+def test_a_corrupt_latest_checkpoint_is_named_and_the_previous_one_resumed(tmp_path, caplog):
+    save = tmp_path / "ckpt"
+    args = small_run_args(tmp_path / "run", 3) + [
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+        "--eval-size",
+        "0",
+    ]
+    train(load_config(args))
+    assert (save / "latest").read_text() == "2"
+    weights = save / "iter_0000002" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # torn by a full disk, say
+    train(load_config(small_run_args(tmp_path / "run", 4) + ["--load", str(save), "--eval-size", "0"]))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(str(weights) in w and "trying the one before it" in w for w in warned)
+    assert [r["rollout"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3]  # resumed after 1
+
+
+def test_a_torn_metrics_line_is_skipped_on_resume_and_in_plot(tmp_path, caplog):
+    from miles.diagnostics.plot import plot_run
+
+    save = tmp_path / "ckpt"
+    args = small_run_args(tmp_path / "run", 2) + ["--save", str(save), "--eval-size", "0"]
+    train(load_config(args))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"rollout": 2, "reward_me')  # killed mid-write
+    assert plot_run(tmp_path / "run")
+    assert any("line 3 is not whole JSON" in r.getMessage() for r in caplog.records)
+    train(load_config(small_run_args(tmp_path / "run", 3) + ["--load", str(save), "--eval-size", "0"]))
+    assert [r["rollout"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (
+            lambda d: (d / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{"),
+            "model.safetensors",
+        ),
+        (lambda d: (d / "config.json").write_text("{ not json"), "config.json: not valid JSON"),
+    ],
+    ids=["truncated-safetensors", "invalid-config-json"],
+)
+def test_a_broken_model_directory_is_named_before_any_work(tmp_path, capsys, damage, named):
+    from miles.cli import main
+    from miles.models import registry, save_model
+
+    model, tokenizer = registry.load("tiny")
+    save_model(model, tmp_path / "model", tokenizer=tokenizer)
+    damage(tmp_path / "model")
+    code = main(["train", "--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err and str(tmp_path / "model") in err, err
+    assert "tokenizer" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--steps", "0"], "--steps: must be >= 1"),
+        (["--batch-size", "0"], "--batch-size: must be >= 1"),
+        (["--lr", "-1"], "--lr: must be > 0"),
+    ],
+)
+def test_sft_ranges(capsys, argv, fragment):
+    from miles.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["sft", "--task", "basic_arithmetic", *argv])
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_debug_logging_shows_config_sync_and_step_timing(tmp_path):
+    import os
+
+    args = small_run_args(tmp_path / "run", 1) + ["--eval-size", "0"]
+    env = {**os.environ, "MILES_DEBUG": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for line in ("resolved configuration", "rollout.rollout_batch_size = 4", "weight sync: buckets of",
+                 "rollout 0: weight sync v1:", "rollout 0: rollout", "train_rollout_logprob_abs_diff="):  # fmt: skip
+        assert line in proc.stderr, line

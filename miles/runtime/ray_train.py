@@ -89,8 +89,6 @@ class TrainerActor(GroupSender):
             raise ValueError(
                 f"--global-batch-size {cfg.train.global_batch_size} must split over {world} training ranks"
             )
-        cfg.train.global_batch_size //= world  # this rank's share of each optimizer step
-        cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, cfg.train.global_batch_size)
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
@@ -98,13 +96,12 @@ class TrainerActor(GroupSender):
         if self.fsdp:
             ref = copy.deepcopy(policy) if needs_reference(cfg) else None  # whole, before sharding
             shard_fsdp(policy, device)
-            self.actor = PolicyTrainer(policy, cfg, ref_model=ref)
+            self.actor = PolicyTrainer(policy, cfg, ref_model=ref, world=world)
             self.actor.grad_sync = lambda finite: all_reduce_finite(finite, device)  # FSDP2 reduced the grads
         else:
-            self.actor = PolicyTrainer(policy, cfg)
+            self.actor = PolicyTrainer(policy, cfg, world=world)
             self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
         self.actor.all_sum = lambda values: all_sum(values, device)
-        self.actor.world = world
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         return self.actor.train(samples, advantages)

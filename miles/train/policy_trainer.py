@@ -84,8 +84,11 @@ def needs_reference(cfg: RunConfig) -> bool:
 
 
 class PolicyTrainer:
-    def __init__(self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None) -> None:
-        """`ref_model`: the frozen reference when KL is used (default: a copy of `model` now)."""
+    def __init__(
+        self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None, world: int = 1
+    ) -> None:
+        """`ref_model`: the frozen reference when KL is used (default: a copy of `model` now);
+        `world`: data-parallel ranks, each training on its 1/world of every global batch."""
         self.model, self.cfg = model.train(), cfg
         self.device = model.lm_head.weight.device  # batches go there; metrics come back as floats
         t = cfg.train
@@ -102,7 +105,10 @@ class PolicyTrainer:
         self.grad_sync = None
         # set by a data-parallel runner: sums a float64 tensor over ranks (global counts and losses)
         self.all_sum = None
-        self.world = 1  # data-parallel ranks, whose averaged gradients the loss scale undoes
+        self.world = world  # data-parallel ranks, whose averaged gradients the loss scale undoes
+        # this rank's share of each optimizer step, and of each forward/backward
+        self.step_samples = cfg.train.global_batch_size // world
+        self.micro_samples = min(cfg.train.micro_batch_size, self.step_samples)
 
     def state_dict(self) -> dict:
         return {
@@ -206,7 +212,7 @@ class PolicyTrainer:
             sums[name] += float(value) * weight
             weights[name] += weight
 
-        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        gbs, mbs = self.step_samples, self.micro_samples
         agg = cfg.algo.loss_agg_mode
         for start in range(0, len(samples), gbs):
             idx = list(range(start, min(start + gbs, len(samples))))

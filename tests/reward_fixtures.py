@@ -1,0 +1,32 @@
+"""Misbehaving reward functions for --custom-rm-path in tests. Kept free of heavy imports: a
+reward process killed by a failure is replaced, and its replacement imports this module again."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+
+def always_raises(sample):
+    raise ValueError(f"cannot parse {sample.response[:10]!r}")
+
+
+def returns_none(sample):
+    return None
+
+
+def returns_nan(sample):
+    return math.nan
+
+
+def returns_text(sample):
+    return "correct"
+
+
+def exits(sample):
+    sys.exit(3)
+
+
+def dies(sample):
+    os._exit(7)
