@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from miles.sync.buckets import pack, plan_buckets, unpack
+from miles.sync.buckets import pack_bucket, plan_buckets, unpack_bucket
 from miles.sync.transports import BucketBuffer, send_bucketed, send_one_at_a_time, send_shared, share
 
 BUCKET = 512 * 1024**2
@@ -56,7 +56,7 @@ def best(fn, repeats: int) -> float:
 def ray_transports(named, repeats):
     import ray
 
-    from miles.runtime.ray_rollout import from_object_store
+    from miles.sync.object_store import from_object_store
 
     def one_at_a_time():
         sink = {}
@@ -65,8 +65,10 @@ def ray_transports(named, repeats):
 
     def bucketed():
         for items in plan_buckets(named, BUCKET):
-            flat, meta = pack(items, checksums=False)
-            unpack(from_object_store(ray.get(ray.put(flat.numpy()))), meta, verify=False)  # as RolloutManager
+            flat, meta = pack_bucket(items, checksums=False)
+            unpack_bucket(
+                from_object_store(ray.get(ray.put(flat.numpy()))), meta, verify=False
+            )  # as RolloutManager
 
     return {"ray one-at-a-time": best(one_at_a_time, repeats), "ray bucketed": best(bucketed, repeats)}
 
@@ -76,8 +78,8 @@ def to_actor_transports(named, repeats):
     import ray
 
     from miles.runtime.placement import free_address
-    from miles.runtime.ray_rollout import put_buckets
     from miles.sync.group import WeightGroup
+    from miles.sync.object_store import put_buckets
 
     @ray.remote(num_cpus=0)
     class Receiver:
@@ -85,10 +87,10 @@ def to_actor_transports(named, repeats):
             self.sink = Sink([(n, torch.empty(k)) for n, k in sizes])
 
         def from_store(self, buckets):
-            from miles.runtime.ray_rollout import from_object_store
+            from miles.sync.object_store import from_object_store
 
             for meta, ref in buckets:
-                self.sink.update_weights(unpack(from_object_store(ray.get(ref)), meta))
+                self.sink.update_weights(unpack_bucket(from_object_store(ray.get(ref)), meta))
 
         def join(self, addr, port):
             self.group = WeightGroup(addr, port, 1, 2, torch.device("cpu"))

@@ -28,16 +28,11 @@ def number(kind: type, low: float, low_open: bool = False):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from miles.models import registry
+    from miles.models.tokenizer import encode_prompt
     from miles.rollout import Engine, Request, SamplingParams
 
     model, tokenizer = registry.load(args.model)
-    if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(prompt_ids, "input_ids") or isinstance(prompt_ids, dict):
-            prompt_ids = prompt_ids["input_ids"]
-    else:
-        prompt_ids = tokenizer(args.prompt).input_ids
+    prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
     engine = Engine(model, tokenizer, max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens + 1)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     sample = engine.generate([Request(list(prompt_ids), params)])[0]

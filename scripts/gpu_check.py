@@ -66,25 +66,25 @@ def engine_cuda_vs_cpu(spec: str) -> None:
 
 def train_step_cuda_vs_cpu() -> None:
     from miles.config import load_config
+    from miles.data.run_data import build_data
     from miles.models import registry
     from miles.rewards.runner import RewardRunner
     from miles.rollout import Engine
-    from miles.rollout.rollout import rollout
-    from miles.runtime.loop import compute_advantages
-    from miles.runtime.setup import build_data
+    from miles.rollout.groups import collect_groups
     from miles.train.policy_trainer import PolicyTrainer
+    from miles.train.sample_advantages import compute_advantages
 
     cfg = load_config(["--config", str(ROOT / "miles/assets/default_train.yaml"), "--eval-size", "0"])
     data = build_data(cfg)
     policy, tok = registry.load("tiny")
-    groups, _ = rollout(Engine(copy.deepcopy(policy), tok, 256, max_seq_len=128), data.train.take(32), cfg,
+    groups, _ = collect_groups(Engine(copy.deepcopy(policy), tok, 256, max_seq_len=128), data.train.take(32), cfg,
                         RewardRunner("auto", None, False, 30.0, data.task_dataset), 0, None)  # fmt: skip
     samples = [s for g in groups for s in g]
     metrics = {}
     for device in ("cpu", "cuda"):
         actor = PolicyTrainer(copy.deepcopy(policy).to(device), cfg)
         t0 = time.perf_counter()
-        metrics[device] = actor.train(samples, compute_advantages(groups, cfg, actor))
+        metrics[device] = actor.train(samples, compute_advantages(groups, cfg, actor.reference_kl))
         metrics[device]["seconds"] = time.perf_counter() - t0
     a, b = metrics["cpu"], metrics["cuda"]
     rel = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-6) for k in ("pg_loss", "grad_norm", "entropy"))

@@ -23,7 +23,7 @@ from pathlib import Path
 from miles.cli import DEFAULT_JOB
 from miles.config.loader import load_config
 from miles.data.prompts import task_prompts
-from miles.runtime.setup import build_data
+from miles.data.run_data import build_data
 from miles.train.sft import SFTConfig, run_sft
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from miles.data.sample import Sample
 from miles.models import ModelConfig, Transformer
+from miles.sync.group import GroupSender
+from miles.sync.object_store import put_buckets
+from miles.train.batch import forward_logprobs, pack_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = ROOT / "miles" / "assets" / "default_train.yaml"
@@ -130,3 +135,62 @@ def assert_same_run(reference: list[dict], other: list[dict], rel: float = 1e-4)
         for key in SAME_RUN_KEYS:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-6), (a["rollout"], key)
+
+
+class DriverWeightSource(GroupSender):
+    """Test-side sender: The weight-update group's sender for a model in this process (a script or notebook that
+    drives a `RolloutManager` itself); `miles train`'s `RayTrainer` offers the same methods for
+    its rank 0."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy, self.device = policy, next(policy.parameters()).device
+
+    def weight_group_address(self) -> tuple[str, int]:
+        from miles.runtime.placement import free_address
+
+        return free_address()
+
+    def broadcast_weights(self, bucket_bytes: int):
+        from miles.models.checkpoint import hf_state_dict
+
+        return self.weight_group.send(hf_state_dict(self.policy).items(), bucket_bytes)
+
+    def publish(self, bucket_bytes: int) -> list:
+        from miles.models.checkpoint import hf_state_dict
+
+        return put_buckets(hf_state_dict(self.policy).items(), bucket_bytes)
+
+
+def response_logprobs(
+    model: Transformer, samples: Sequence[Sample], temperature: float = 1.0, replay_routing: bool = False
+) -> list[list[float]]:
+    """Each sample's response-token log-probabilities from one plain forward: the oracle the
+    engine's reported log-probs are compared with."""
+    batch = pack_samples(samples, replay_routing)
+    with torch.no_grad():
+        logp, _, _ = forward_logprobs(model, batch, temperature)
+    out = []
+    for b, s in enumerate(samples):
+        p = s.prompt_length
+        out.append(logp[b, p - 1 : len(s.tokens) - 1].tolist())
+    return out
+
+
+@torch.no_grad()
+def greedy(
+    model: Transformer, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int] | None = None
+) -> list[int]:
+    """Prefill the prompt, then decode one token at a time; returns the new token ids."""
+    stop = set(stop_ids or [])
+    cache = model.new_cache(1, len(prompt_ids) + max_new_tokens)
+    ids = torch.tensor([prompt_ids])
+    positions = torch.arange(len(prompt_ids))[None]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids, positions=positions, cache=cache).logits[:, -1]
+        token = int(logits.argmax(-1))
+        out.append(token)
+        if token in stop:
+            break
+        ids, positions = torch.tensor([[token]]), positions[:, -1:] + 1
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from miles.cli import main
 from miles.models import registry
-from miles.models.generate import greedy
+from tests.conftest import greedy
 
 
 def test_generate_prints_the_greedy_continuation(capsys):

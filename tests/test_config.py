@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.cli import main
-from miles.config import build_parser, load_config
+from miles.config import build_train_parser, load_config
 from miles.config.loader import FIELDS
 from miles.errors import ConfigError
 
@@ -44,7 +44,7 @@ def test_tis_threshold_turns_tis_on():
 
 
 def test_every_guide_flag_is_listed_in_help():
-    text = build_parser().format_help()
+    text = build_train_parser().format_help()
     guide = [
         "--fp8-recipe", "--use-r3", "--lr", "--warmup-steps", "--warmup-precision", "--fp8-format",
         "--fp8-dynamic-scaling", "--fp8-skip-layers", "--use-tis", "--tis-threshold", "--verify-logprobs",

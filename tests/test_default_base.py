@@ -8,7 +8,7 @@ from pathlib import Path
 
 from miles.cli import DEFAULT_JOB
 from miles.config.loader import load_config
-from miles.runtime.setup import build_data
+from miles.data.run_data import build_data
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make_default_base.py"
 

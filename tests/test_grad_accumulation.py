@@ -14,8 +14,8 @@ import torch
 from miles.algo.masked import AGG_MODES, aggregate
 from miles.config import make_config
 from miles.data.sample import Sample
-from miles.runtime.ray_train import shard
-from miles.train.logprobs import forward_logprobs, pack
+from miles.runtime.ray_train import split_evenly
+from miles.train.batch import forward_logprobs, pack_samples
 from miles.train.policy_trainer import PolicyTrainer
 from tests.conftest import random_model
 
@@ -57,7 +57,7 @@ def config(agg: str, micro: int, **extra):
 def one_batch_gradient(model, samples, advantages, agg: str) -> dict[str, torch.Tensor]:
     """The oracle: the global batch's PPO loss at ratio 1 in one forward, no accumulation."""
     model.zero_grad(set_to_none=True)
-    batch = pack(samples)
+    batch = pack_samples(samples)
     logp, _, _ = forward_logprobs(model, batch)
     adv = torch.zeros_like(logp)
     for b, s in enumerate(samples):
@@ -126,7 +126,7 @@ def _rank(rank: int, port: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     samples, advantages = make_samples()
-    mine = shard(list(range(N_SAMPLES)), 2)[rank]
+    mine = split_evenly(list(range(N_SAMPLES)), 2)[rank]
     results = {}
     for agg in AGG_MODES:
         for micro in (1, 7, 64, 256):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from miles.config import load_config
 from miles.errors import ConfigError, MilesError
 from miles.runtime.loop import fit_to_ranks
-from miles.runtime.placement import COLOCATED_SHARE, plan_layout
+from miles.runtime.placement import plan_layout
 
 
 def test_disaggregated_layout_gives_every_actor_its_own_bundle():
@@ -21,7 +21,11 @@ def test_disaggregated_layout_gives_every_actor_its_own_bundle():
 def test_colocated_layout_shares_each_training_bundle_with_one_engine():
     layout = plan_layout(train_ranks=4, engines=4, colocate=True)
     assert layout.num_bundles == 4 and layout.train_bundles == layout.rollout_bundles == [0, 1, 2, 3]
-    assert 2 * layout.share <= 1.0 and layout.share == COLOCATED_SHARE  # both fit in one device
+    # a rank and its engine fit one device together, and no third actor would: the share splits it in two
+    assert 2 * layout.share <= 1.0 < 3 * layout.share
+    apart = plan_layout(train_ranks=4, engines=4, colocate=False)
+    assert apart.num_bundles == 8 and not set(apart.train_bundles) & set(apart.rollout_bundles)
+    assert apart.share == 1.0  # disaggregated: every actor has its device to itself
     with pytest.raises(MilesError, match="--rollout-num-gpus \\(3\\) must equal"):
         plan_layout(train_ranks=4, engines=3, colocate=True)
 

@@ -88,7 +88,7 @@ def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     """Weights broadcast over the weight-update group; an engine killed mid-rollout comes back
     with the current weights (from the object store), and the next broadcast re-forms the group
     with the new process: every engine ends equal to the trainer."""
-    from miles.runtime.ray_rollout import DriverWeightSource
+    from tests.conftest import DriverWeightSource
 
     save_model(random_model("llama", seed=3), tmp_path / "base")
     manager = RolloutManager(str(tmp_path / "base"), num_engines=2, max_batch_size=4, max_seq_len=512)
@@ -166,13 +166,13 @@ def test_weights_land_mid_rollout_between_decoding_steps(ray_cluster, tmp_path):
 def test_corrupted_object_store_bucket_is_named(ray_cluster, tmp_path):
     """A bucket whose bytes changed after its checksums were taken: every engine refuses it,
     naming the tensor, and the error is not mistaken for a dead engine (no restart)."""
-    from miles.sync import SyncIntegrityError, pack, plan_buckets
+    from miles.sync import SyncIntegrityError, pack_bucket, plan_buckets
 
     save_model(random_model("llama", seed=3), tmp_path / "base")
     manager = RolloutManager(str(tmp_path / "base"), num_engines=2, max_batch_size=4, max_seq_len=64)
     buckets = []
     for items in plan_buckets(random_model("llama", seed=4).state_dict().items(), 50_000):
-        flat, meta = pack(items)
+        flat, meta = pack_bucket(items)
         if any(name == "model.norm.weight" for name, _ in items):
             offset = next(m.offset for m in meta.tensors if m.name == "model.norm.weight")
             flat[offset] ^= 0x01

@@ -11,15 +11,15 @@ import yaml
 
 from miles.config import make_config
 from miles.config.loader import _flatten_yaml
+from miles.data.run_data import build_data
 from miles.models import registry
 from miles.rewards.runner import RewardRunner
 from miles.rollout import Engine
-from miles.rollout.rollout import rollout
-from miles.runtime.loop import compute_advantages
+from miles.rollout.groups import collect_groups
 from miles.runtime.ray_rollout import RolloutManager
-from miles.runtime.ray_train import TrainerActor, shard
-from miles.runtime.setup import build_data
+from miles.runtime.ray_train import TrainerActor, split_evenly
 from miles.train.policy_trainer import PolicyTrainer
+from miles.train.sample_advantages import compute_advantages
 from tests.conftest import DEFAULT_YAML, assert_same_run, free_port
 
 
@@ -39,21 +39,24 @@ def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
     # Ray: 2 engine actors + 2 training ranks
     manager = RolloutManager("tiny", num_engines=2, max_batch_size=64, max_seq_len=128)
     port = free_port()
-    ranks = [TrainerActor.remote(r, 2, port, values) for r in range(2)]
+    ranks = [TrainerActor.remote(r, 2, port, cfg) for r in range(2)]
 
     local_items = data.train.take(2 * 8)
     for step in range(2):
         items = local_items[step * 8 : (step + 1) * 8]
-        groups_local, _ = rollout(local_engine, items, cfg, rewards, step, None)
-        groups_ray, _ = rollout(manager, items, cfg, rewards, step, None)
+        groups_local, _ = collect_groups(local_engine, items, cfg, rewards, step, None)
+        groups_ray, _ = collect_groups(manager, items, cfg, rewards, step, None)
         assert [s.tokens for g in groups_local for s in g] == [s.tokens for g in groups_ray for s in g]
 
-        adv = compute_advantages(groups_local, cfg, local_actor)
+        adv = compute_advantages(groups_local, cfg, local_actor.reference_kl)
         local = local_actor.train([s for g in groups_local for s in g], adv)
         samples = [s for g in groups_ray for s in g]
-        adv_ray = compute_advantages(groups_ray, cfg, None)
+        adv_ray = compute_advantages(groups_ray, cfg)
         per_rank = ray.get(
-            [r.train.remote(s, a) for r, s, a in zip(ranks, shard(samples, 2), shard(adv_ray, 2))]
+            [
+                r.train.remote(s, a)
+                for r, s, a in zip(ranks, split_evenly(samples, 2), split_evenly(adv_ray, 2))
+            ]
         )
         for key in ("pg_loss", "grad_norm", "entropy", "train_rollout_logprob_abs_diff"):
             assert sum(m[key] for m in per_rank) / 2 == pytest.approx(local[key], rel=1e-4, abs=1e-6), key
@@ -181,13 +184,15 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, a
     engines free their KV cache while training runs); a KL term against the reference model
     works on every rank; the metrics equal the one-process run's."""
     from miles.config import load_config
-    from miles.runtime.loop import build_executor, train
+    from miles.runtime.executors import build_executor
+    from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
     cfg = load_config(small_run_args(tmp_path / "probe", 1) + layout + algo)
     policy, tok = registry.load("tiny")
-    trainer, manager = build_executor(cfg, policy, tok, 128)
+    executor = build_executor(cfg, policy, tok, 128)
+    trainer, manager = executor.trainer, executor.rollout
     try:
         # Ray's accounting: each actor in a bundle takes 0.001 of its "bundle_group_<i>_<pg>" resource
         ray.get(
@@ -201,7 +206,7 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, a
         assert all(avail.get(f"CPU_group_{i}_{pg}", 0) == 0 for i in range(bundles))  # devices full
         # the reference KL: computed on the ranks, zero before any step (policy == reference)
         data = build_data(cfg)
-        groups, _ = rollout(
+        groups, _ = collect_groups(
             manager,
             data.train.take(2),
             cfg,
@@ -223,7 +228,10 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, a
     trained = [r for r in distributed if r["rollout"] >= 0]
     if "--colocate" in layout:
         assert all(r["rollout_memory_released_bytes"] > 0 for r in trained)
-    assert any(r.get("kl_loss", 0) > 0 for r in trained) or "--kl-coef" in algo
+    kl_metric = "kl_loss" if "--use-kl-loss" in algo else "reward_kl_mean"  # a KL loss, or KL in the reward
+    assert all(r[kl_metric] > 0 for r in trained[1:]), [
+        r.get(kl_metric) for r in trained
+    ]  # moved off the reference
 
 
 def test_two_ranks_two_engines_learn_the_default_task(ray_cluster, tmp_path, monkeypatch):

@@ -226,6 +226,6 @@ def test_debug_logging_shows_config_sync_and_step_timing(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for line in ("resolved configuration", "rollout.rollout_batch_size = 4", "weight sync: buckets of",
+    for line in ("resolved configuration", "rollout.rollout_batch_size = 4", "weight sync: in-process buckets",
                  "rollout 0: weight sync v1:", "rollout 0: rollout", "train_rollout_logprob_abs_diff="):  # fmt: skip
         assert line in proc.stderr, line

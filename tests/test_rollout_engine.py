@@ -12,8 +12,7 @@ from miles.data import Status
 from miles.models import save_model
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.sampling import sample_tokens
-from miles.train.logprobs import response_logprobs
-from tests.conftest import random_model
+from tests.conftest import random_model, response_logprobs
 
 
 def peaked(arch: str, seed: int = 0, **kw):
@@ -105,20 +104,40 @@ def test_engine_first_token_distribution_and_seed_independence():
 
 @pytest.mark.parametrize("model_arch", ["llama", "qwen3_moe"])
 def test_engine_logprobs_equal_trainer_recomputation(model_arch):
+    """The engine's reported log-probs equal what the trainer computes for its loss, on its own
+    path (`PolicyTrainer.logprobs`: micro-batches, shared prompts computed once, routing replay)."""
+    from miles.config import make_config
+    from miles.train.policy_trainer import PolicyTrainer
+
     model = peaked(model_arch, seed=2)
     engine = Engine(model, max_batch_size=8, max_seq_len=64, seed=0)
-    params = SamplingParams(temperature=0.8, max_new_tokens=20, ignore_eos=True)
-    samples = engine.generate([Request(p, params) for p in prompts(10, seed=4)])
+    requests = [
+        Request(p, SamplingParams(temperature=0.8, max_new_tokens=20, ignore_eos=True, seed=k))
+        for p in prompts(5, seed=4)
+        for k in range(3)
+    ]  # groups of 3 samples of one prompt
+    samples = engine.generate(requests)
     assert len({s.response_length for s in samples}) == 1 and len({len(s.tokens) for s in samples}) > 1
-    recomputed = response_logprobs(model, samples, temperature=0.8)
-    diff = max(abs(a - b) for s, r in zip(samples, recomputed) for a, b in zip(s.rollout_log_probs, r))
-    assert diff < 1e-5
+    assert len({tuple(s.tokens) for s in samples}) > 5  # the group's samples differ
+    replays = (False, True) if model.config.is_moe else (False,)
+    for share_prompts in (True, False):
+        for replay in replays:
+            cfg = make_config(
+                {
+                    "rollout_temperature": 0.8,
+                    "share_prompts": share_prompts,
+                    "use_r3": replay,
+                    "micro_batch_size": 4,
+                }
+            )
+            recomputed = PolicyTrainer(model, cfg).logprobs(samples)
+            diff = max(
+                abs(a - float(b)) for s, r in zip(samples, recomputed) for a, b in zip(s.rollout_log_probs, r)
+            )
+            assert diff < 1e-5, (share_prompts, replay, diff)
     if model.config.is_moe:
         s = samples[0]
         assert s.rollout_routed_experts.shape == (len(s.tokens) - 1, 2, 2)
-        replayed = response_logprobs(model, samples, temperature=0.8, replay_routing=True)
-        diff = max(abs(a - b) for s, r in zip(samples, replayed) for a, b in zip(s.rollout_log_probs, r))
-        assert diff < 1e-5
 
 
 def test_routing_replay_removes_the_mismatch_from_flipped_experts():
@@ -152,9 +171,9 @@ def test_routing_replay_removes_the_mismatch_from_flipped_experts():
 
     assert worst_gap(replay=True) < 0.5 * worst_gap(replay=False)
     # replayed, the trainer reports exactly the engine's experts
-    from miles.train.logprobs import pack
+    from miles.train.batch import pack_samples
 
-    batch = pack(samples, replay_routing=True)
+    batch = pack_samples(samples, replay_routing=True)
     with torch.no_grad():
         routed = trainer_model(
             batch.input_ids, batch.attention_mask, forced_experts=batch.forced_experts

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.rollout import Engine, Request, SamplingParams
-from miles.train.logprobs import forward_logprobs, pack
+from miles.train.batch import forward_logprobs, pack_samples
 from tests.conftest import ARCHS, random_model
 
 
@@ -30,7 +30,10 @@ def test_shared_prompt_forward_equals_the_full_forward(arch, replay):
     model = random_model(arch, seed=3)
     samples = group_samples(model)
     assert len({len(s.tokens) for s in samples}) > 2  # the padding is really exercised
-    full_batch, shared_batch = pack(samples, replay), pack(samples, replay, share_prompts=True)
+    full_batch, shared_batch = (
+        pack_samples(samples, replay),
+        pack_samples(samples, replay, share_prompts=True),
+    )
     assert full_batch.shared is None and shared_batch.shared is not None
     assert shared_batch.shared.prompt_ids.shape[0] == 3  # three distinct prompts, each run once
 
@@ -61,4 +64,4 @@ def test_shared_prompt_forward_equals_the_full_forward(arch, replay):
 def test_no_shared_prompt_means_the_plain_forward():
     model = random_model("qwen3_moe")
     samples = group_samples(model, n=1)
-    assert pack(samples, share_prompts=True).shared is None
+    assert pack_samples(samples, share_prompts=True).shared is None

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from miles.rollout import Engine
-from miles.sync import SyncIntegrityError, pack, plan_buckets, unpack
+from miles.sync import SyncIntegrityError, pack_bucket, plan_buckets, unpack_bucket
 from miles.sync.group import WeightGroup
 from miles.sync.transports import (
     handles,
@@ -41,7 +41,7 @@ def test_buckets_round_trip_bit_for_bit():
     assert len(buckets) > 1 and all(
         sum(t.numel() * t.element_size() for _, t in b) <= 2000 or len(b) == 1 for b in buckets
     )
-    got = [item for b in buckets for item in unpack(*pack(b))]
+    got = [item for b in buckets for item in unpack_bucket(*pack_bucket(b))]
     assert [n for n, _ in got] == [n for n, _ in named]
     for (_, want), (_, have) in zip(named, got):
         assert have.dtype == want.dtype and have.shape == want.shape
@@ -51,11 +51,11 @@ def test_buckets_round_trip_bit_for_bit():
 
 
 def test_corrupted_bucket_names_the_tensor():
-    flat, meta = pack(mixed_tensors())
+    flat, meta = pack_bucket(mixed_tensors())
     c = next(m for m in meta.tensors if m.name == "c.ids")
     flat[c.offset + 3] ^= 0xFF
     with pytest.raises(SyncIntegrityError, match=r"1 tensor\(s\) arrived corrupted: \['c.ids'\]"):
-        unpack(flat, meta)
+        unpack_bucket(flat, meta)
 
 
 @pytest.mark.parametrize("transport", ["bucketed", "one_at_a_time", "shared_memory"])
@@ -111,7 +111,7 @@ def _group_member(rank: int, world: int, port: int, tp_port: int, corrupt: bool,
     if corrupt and rank == 0:
         import miles.sync.group as grp
 
-        original = grp.pack
+        original = grp.pack_bucket
 
         def bad_pack(items, checksums=True):
             flat, meta = original(items, checksums)
@@ -120,7 +120,7 @@ def _group_member(rank: int, world: int, port: int, tp_port: int, corrupt: bool,
                 flat[0] ^= 0xFF  # after the checksum was taken: corrupted on the way
             return flat, meta
 
-        grp.pack = bad_pack
+        grp.pack_bucket = bad_pack
     try:
         for seed in (5,) if corrupt else (5, 6):  # receivers stop after a corrupted sync
             if rank == 0:
@@ -161,12 +161,17 @@ def test_weight_group_broadcasts_to_engine_processes(corrupt):
 
 
 def test_check_weight_update_equal_stops_on_a_mismatch():
+    from miles.config import make_config
     from miles.errors import MilesError
-    from miles.runtime.loop import push_weights
+    from miles.sync.strategy import make_weight_sync
+    from miles.train.policy_trainer import PolicyTrainer
 
     trainer = random_model("llama", seed=1)
     engine = Engine(random_model("llama", seed=2), max_batch_size=1, max_seq_len=8)
-    assert push_weights(trainer, engine, 1, bucket_bytes=10_000, check_equal=True).buckets > 1
+    sync = make_weight_sync(
+        "in-process", PolicyTrainer(trainer, make_config({})), engine, 10_000, check_equal=True
+    )
+    assert sync.push(1).buckets > 1
     real = engine.update_weights
 
     def lossy(items, version=None):  # a transport that drops one tensor
@@ -176,4 +181,4 @@ def test_check_weight_update_equal_stops_on_a_mismatch():
     with torch.no_grad():
         trainer.model.norm.weight.add_(1.0)
     with pytest.raises(MilesError, match=r"differ from the trainer's after sync: \['model.norm.weight'\]"):
-        push_weights(trainer, engine, 2, bucket_bytes=10_000, check_equal=True)
+        sync.push(2)

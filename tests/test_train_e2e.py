@@ -169,25 +169,25 @@ def test_drop_stale_bounds_staleness():
     assert [s.metadata["staleness"] for g in (fresh, one, two) for s in g] == [0, 1, 2, 0]
 
 
-def test_over_sampling_trains_on_rollout_batch_size_groups():
-    """--over-sampling-batch-size draws more prompts; without a filter the step still keeps
+def test_over_sampling_trains_on_rollout_batch_size_groups(tmp_path, monkeypatch):
+    """--over-sampling-batch-size: each step of `miles train` draws that many prompts (the data
+    position a checkpoint records moves by it) and, without a filter, still trains on
     rollout_batch_size groups (the global batch)."""
-    import copy as copy_mod
+    import torch
 
-    from miles.models import registry
-    from miles.rewards.runner import RewardRunner
-    from miles.rollout import Engine
-    from miles.rollout.rollout import rollout
-    from miles.runtime.setup import build_data
+    from miles.runtime import loop
 
-    cfg = load_config(small_run_args(Path("/tmp/unused"), 1) + ["--over-sampling-batch-size", "6"])
-    data = build_data(cfg)
-    policy, tok = registry.load("tiny")
-    engine = Engine(copy_mod.deepcopy(policy), tok, 64, max_seq_len=128)
-    groups, _ = rollout(
-        engine, data.train.take(6), cfg, RewardRunner("auto", None, False, 30.0, data.task_dataset), 0, None
+    drawn = []
+    real = loop.collect_groups
+    monkeypatch.setattr(
+        loop, "collect_groups", lambda engine, items, *a: drawn.append(len(items)) or real(engine, items, *a)
     )
-    assert len(groups) == cfg.rollout.rollout_batch_size == 4
+    args = small_run_args(tmp_path / "run", 2) + ["--over-sampling-batch-size", "6", "--eval-size", "0"]
+    train(load_config(args + ["--save", str(tmp_path / "ckpt")]))
+    assert drawn == [6, 6]
+    assert [r["train_samples"] for r in read_metrics(tmp_path / "run")] == [4 * 4, 4 * 4]
+    state = torch.load(tmp_path / "ckpt" / "iter_0000001" / "trainer_state.pt", weights_only=False)
+    assert state["data_position"] == 12
 
 
 def test_a_new_run_in_a_used_directory_keeps_the_old_metrics_apart(tmp_path):

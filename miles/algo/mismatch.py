@@ -6,7 +6,7 @@ pi_old, so each token's loss is reweighted by w = pi_old / pi_rollout, bounded:
 
 - truncate (TIS): w = clamp(ratio, clip_low, clip_high)
 - mask (MIS / icepop): w = ratio inside [clip_low, clip_high], 0 outside
-- threshold (the guide's --tis-threshold t in (0, 1]): a trust band [t, 1/t]; a token (or
+- threshold (--tis-threshold t in (0, 1]): a trust band [t, 1/t]; a token (or
   sequence) whose ratio falls outside it is masked (w = 0), the rest are truncated at clip_high.
 
 level: "token" (ratio per token), "sequence" (exp of the summed log ratio, one per sample),
@@ -104,7 +104,7 @@ def routing_mismatch(
     `router_logits`: per MoE layer (B, T, E); `recorded`: (B, T, layers, K) expert ids from the
     rollout, -1 where none was recorded; `mask`: (B, T) positions to count. A decision is one
     (token, layer) top-k set (order ignored). Returns the fraction of decisions that differ and
-    the fraction of tokens with at least one differing layer (the guide's "different experts
+    the fraction of tokens with at least one differing layer ("different experts
     activated during train vs inference"; R3 replays the recorded ones instead).
     """
     k = recorded.shape[-1]

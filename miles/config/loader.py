@@ -7,6 +7,7 @@ names get the closest valid one suggested; features not built yet say so.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import os
@@ -41,7 +42,7 @@ class FieldInfo:
 
     @property
     def flags(self) -> list[str]:
-        return [self.flag] + ["--" + a.replace("_", "-") for a in self.meta["aliases"]]
+        return [self.flag] + ["--" + alias.replace("_", "-") for alias in self.meta["aliases"]]
 
 
 def _fields() -> dict[str, FieldInfo]:
@@ -125,13 +126,13 @@ def _suggest(name: str, section: str | None = None) -> str:
     return ""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles train",
         usage="miles train [--config FILE] [--FLAG VALUE ...]",
         description=(
             "Run RL post-training (GRPO by default). With no arguments: the embedded default job, a tiny MoE "
-            "model learning arithmetic on CPU. Flags override --config YAML; names follow the miles guide, "
+            "model learning arithmetic on CPU. Flags override --config YAML; names follow miles' docs, "
             "slime/miles spellings are accepted as aliases."
         ),
         argument_default=argparse.SUPPRESS,
@@ -191,7 +192,7 @@ def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
 
 def load_config(argv: list[str] | None = None) -> RunConfig:
     """Parse `miles train` arguments (and the --config file) into a validated `RunConfig`."""
-    parser = build_parser()
+    parser = build_train_parser()
     args, unknown = parser.parse_known_args(argv)
     for token in unknown:
         if token.startswith("--"):
@@ -224,8 +225,7 @@ def make_config(values: dict[str, Any]) -> RunConfig:
         if info is None:
             raise ConfigError(f"unknown setting {name!r}{_suggest(name)}")
         setattr(getattr(cfg, info.section), info.name, value)
-    validate(cfg, set(values))
-    return cfg
+    return validate(cfg)
 
 
 def _cuda_visible() -> bool:
@@ -234,7 +234,11 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
+def validate(given: RunConfig) -> RunConfig:
+    """Check every setting, before any work; return the resolved configuration (the global
+    batch, a micro-batch capped at it, --use-tis implied by --tis-threshold, DEBUG implied by
+    MILES_DEBUG, --profile implied by --profile-dir). `given` itself is left as it was."""
+    cfg = copy.deepcopy(given)
     for info in FIELDS.values():
         value = getattr(getattr(cfg, info.section), info.name)
         reason = info.meta["available"]
@@ -250,66 +254,66 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
     for var, reason in ENV_NOT_YET.items():
         if os.environ.get(var, "").strip() not in ("", "0"):
             raise ConfigError(f"environment variable {var} is set, but {reason}. Unset it to run.")
-    r, a, t = cfg.rollout, cfg.algo, cfg.train
-    total = r.rollout_batch_size * r.n_samples_per_prompt
-    if t.global_batch_size is None:
-        if total % t.num_steps_per_rollout:
+    rollout, algo, train = cfg.rollout, cfg.algo, cfg.train
+    total = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    if train.global_batch_size is None:
+        if total % train.num_steps_per_rollout:
             raise ConfigError(
                 f"rollout_batch_size x n_samples_per_prompt = {total} samples do not split into "
-                f"--num-steps-per-rollout {t.num_steps_per_rollout} equal optimizer steps"
+                f"--num-steps-per-rollout {train.num_steps_per_rollout} equal optimizer steps"
             )
-        t.global_batch_size = total // t.num_steps_per_rollout
-    elif t.global_batch_size * t.num_steps_per_rollout != total:
+        train.global_batch_size = total // train.num_steps_per_rollout
+    elif train.global_batch_size * train.num_steps_per_rollout != total:
         raise ConfigError(
-            f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt} = {total} "
-            f"must equal --global-batch-size {t.global_batch_size} x --num-steps-per-rollout {t.num_steps_per_rollout}"
+            f"--rollout-batch-size {rollout.rollout_batch_size} x --n-samples-per-prompt {rollout.n_samples_per_prompt} = {total} "
+            f"must equal --global-batch-size {train.global_batch_size} x --num-steps-per-rollout {train.num_steps_per_rollout}"
         )
-    if t.micro_batch_size > t.global_batch_size:
-        t.micro_batch_size = t.global_batch_size
-    if a.advantage_estimator in ("grpo", "gspo", "rloo") and r.n_samples_per_prompt < 2:
+    if train.micro_batch_size > train.global_batch_size:
+        train.micro_batch_size = train.global_batch_size
+    if algo.advantage_estimator in ("grpo", "gspo", "rloo") and rollout.n_samples_per_prompt < 2:
         raise ConfigError(
-            f"--advantage-estimator {a.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"
+            f"--advantage-estimator {algo.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"
         )
-    if a.advantage_estimator == "ppo":
+    if algo.advantage_estimator == "ppo":
         raise ConfigError(
             "--advantage-estimator ppo needs a critic, which `miles train` does not build yet; use grpo, gspo, rloo or reinforce_plus_plus"
         )
-    if a.tis_threshold is not None:
-        a.use_tis = True
-    if r.rollout_top_k == 0:
+    if algo.tis_threshold is not None:
+        algo.use_tis = True
+    if rollout.rollout_top_k == 0:
         raise ConfigError("--rollout-top-k must be -1 (off) or >= 1, got 0")
-    if a.kl_loss_coef > 0 and not a.use_kl_loss:
+    if algo.kl_loss_coef > 0 and not algo.use_kl_loss:
         raise ConfigError(
-            f"--kl-loss-coef {a.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
+            f"--kl-loss-coef {algo.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
             "(or use --kl-coef for the KL penalty in the reward)"
         )
-    if a.tis_clip_low > a.tis_clip:
-        raise ConfigError(f"--tis-clip-low {a.tis_clip_low} is above --tis-clip {a.tis_clip}")
-    if t.min_lr > t.lr:
-        raise ConfigError(f"--min-lr {t.min_lr} is above --lr {t.lr}")
-    ck, lg = cfg.checkpoint, cfg.logging
-    if cfg.debug.debug_rollout_only and (ck.save or ck.save_hf):
+    if algo.tis_clip_low > algo.tis_clip:
+        raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
+    if train.min_lr > train.lr:
+        raise ConfigError(f"--min-lr {train.min_lr} is above --lr {train.lr}")
+    ckpt, logging_cfg = cfg.checkpoint, cfg.logging
+    if cfg.debug.debug_rollout_only and (ckpt.save or ckpt.save_hf):
         raise ConfigError(
             "--debug-rollout-only never trains, so there is nothing to --save / --save-hf; drop one of them"
         )
     for flag, value in (
-        ("--output-dir", lg.output_dir),
-        ("--save", ck.save),
-        ("--save-hf", ck.save_hf),
-        ("--profile-dir", lg.profile_dir),
+        ("--output-dir", logging_cfg.output_dir),
+        ("--save", ckpt.save),
+        ("--save-hf", ckpt.save_hf),
+        ("--profile-dir", logging_cfg.profile_dir),
     ):
         if value and Path(value).exists() and not Path(value).is_dir():
             raise ConfigError(f"{flag} {value}: is a file; give a directory (it is created when missing)")
-    if ck.load and not ck.resume_if_present:
-        load = Path(ck.load)
+    if ckpt.load and not ckpt.resume_if_present:
+        load = Path(ckpt.load)
         if not load.is_dir():
             raise ConfigError(
-                f"--load {ck.load}: no such directory. To start from scratch when no checkpoint exists yet "
+                f"--load {ckpt.load}: no such directory. To start from scratch when no checkpoint exists yet "
                 "(a preemptible job that resumes itself), add --resume-if-present"
             )
         if not (load / "latest").exists():
             raise ConfigError(
-                f"--load {ck.load}: holds no checkpoint (no 'latest' file written by --save). To start from "
+                f"--load {ckpt.load}: holds no checkpoint (no 'latest' file written by --save). To start from "
                 "scratch when none exists yet, add --resume-if-present"
             )
     if cfg.data.task and cfg.data.prompt_data:
@@ -320,36 +324,42 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
     ):
         if value and not Path(value).is_file():
             raise ConfigError(f"{flag} {value}: no such file")
-    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+    if (
+        rollout.over_sampling_batch_size is not None
+        and rollout.over_sampling_batch_size < rollout.rollout_batch_size
+    ):
         raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
-    sy = cfg.sync
-    if sy.async_weight_sync and sy.max_staleness < 1:
+    sync = cfg.sync
+    if sync.async_weight_sync and sync.max_staleness < 1:
         raise ConfigError(
             "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
         )
-    if sy.rollout_num_gpus_per_engine < 1 or (sy.rollout_num_gpus or 1) % sy.rollout_num_gpus_per_engine:
+    if (
+        sync.rollout_num_gpus_per_engine < 1
+        or (sync.rollout_num_gpus or 1) % sync.rollout_num_gpus_per_engine
+    ):
         raise ConfigError(
-            f"--rollout-num-gpus ({sy.rollout_num_gpus or 1}) must be a multiple of --rollout-num-gpus-per-engine "
-            f"({sy.rollout_num_gpus_per_engine}): each engine takes that many devices"
+            f"--rollout-num-gpus ({sync.rollout_num_gpus or 1}) must be a multiple of --rollout-num-gpus-per-engine "
+            f"({sync.rollout_num_gpus_per_engine}): each engine takes that many devices"
         )
     if (
-        sy.actor_num_nodes < 1
-        or sy.actor_num_gpus_per_node < 1
-        or (sy.rollout_num_gpus is not None and sy.rollout_num_gpus < 1)
+        sync.actor_num_nodes < 1
+        or sync.actor_num_gpus_per_node < 1
+        or (sync.rollout_num_gpus is not None and sync.rollout_num_gpus < 1)
     ):
         raise ConfigError("--actor-num-nodes, --actor-num-gpus-per-node and --rollout-num-gpus must be >= 1")
-    world = sy.actor_num_nodes * sy.actor_num_gpus_per_node
-    if world > 1 and t.global_batch_size % world:
+    world = sync.actor_num_nodes * sync.actor_num_gpus_per_node
+    if world > 1 and train.global_batch_size % world:
         raise ConfigError(
-            f"--global-batch-size {t.global_batch_size} must split evenly over the {world} training ranks "
+            f"--global-batch-size {train.global_batch_size} must split evenly over the {world} training ranks "
             "(--actor-num-nodes x --actor-num-gpus-per-node)"
         )
-    if sy.colocate and sy.async_weight_sync:
+    if sync.colocate and sync.async_weight_sync:
         raise ConfigError(
             "--colocate with --async-weight-sync: colocated rollout and training take turns on the same devices, "
             "so rollout N+1 cannot overlap training N; drop one of them"
         )
-    if sy.colocate and world > 1 and (sy.rollout_num_gpus or 1) != world:
+    if sync.colocate and world > 1 and (sync.rollout_num_gpus or 1) != world:
         raise ConfigError(
             f"--colocate runs one engine on each training device: --rollout-num-gpus must be {world} "
             "(--actor-num-nodes x --actor-num-gpus-per-node)"
@@ -362,6 +372,7 @@ def validate(cfg: RunConfig, explicitly_set: set[str] = frozenset()) -> None:
         cfg.logging.log_level = "DEBUG"
     if cfg.logging.profile_dir:
         cfg.logging.profile = True  # asking where profiles go asks for one
+    return cfg
 
 
 def describe(cfg: RunConfig) -> str:

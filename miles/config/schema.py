@@ -1,7 +1,7 @@
 """The run configuration: one typed tree, each field with its default and help in one place.
 
-Flag names are the field names with dashes (`--rollout-batch-size`); the names of
-shared/spec/troubleshooting.md are primary and the slime/miles spellings are aliases. YAML files
+Flag names are the field names with dashes (`--rollout-batch-size`); miles' own names are
+primary and the slime/Megatron spellings are aliases. YAML files
 use the same names in snake_case, flat or nested by section.
 """
 
@@ -154,7 +154,6 @@ class AlgoSection:
     )
     kl_coef: float = option(0.0, "KL penalty in the reward (REINFORCE++)", bounds="[0, inf)")
     gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)", bounds="[0, 1]")
-    lambd: float = option(1.0, "GAE lambda", bounds="[0, 1]")
     use_tis: bool = option(
         False, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, tis_clip)"
     )

@@ -29,8 +29,6 @@ class Sample:
     part of this response: more than one means the response spans a weight update.
     """
 
-    group_index: int | None = None
-    index: int | None = None
     prompt: str | list[dict[str, str]] = ""
     tokens: list[int] = field(default_factory=list)
     response: str = ""
@@ -42,7 +40,6 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: np.ndarray | None = None
     weight_versions: list[int] = field(default_factory=list)
-    spec_info: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -7,11 +7,12 @@ temporary directory and renames it into place, so a checkpoint is never half-wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -175,6 +176,29 @@ def hf_state_dict(
     return state
 
 
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary directory beside `path` (named .tmp_<name>.*) to fill; when the block ends
+    without error it replaces `path` whole, else it is removed. A reader never sees half of it;
+    a killed writer leaves only a .tmp_ directory (`miles.runtime.train_state.clear_stale`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".tmp_{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_model(
     model: Transformer,
     path: str | os.PathLike,
@@ -182,23 +206,16 @@ def save_model(
     max_shard_bytes: int = 2 * 1024**3,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a Hugging Face checkpoint directory atomically (temp dir, then rename)."""
+    """Write a Hugging Face checkpoint directory atomically, in safetensors shards of at most
+    `max_shard_bytes` (split like weight-sync buckets: `miles.sync.buckets.plan_buckets`)."""
+    from miles.sync.buckets import plan_buckets
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_directory(path) as tmp:
         state = hf_state_dict(model)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in state.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = tensor
-            size += nbytes
+        shards = [dict(items) for items in plan_buckets(state.items(), max_shard_bytes)] or [{}]
         if len(shards) == 1:
             save_file(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
         else:
@@ -213,15 +230,4 @@ def save_model(
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path

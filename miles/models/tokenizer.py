@@ -64,3 +64,14 @@ def load_tokenizer(path: str | Path):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def encode_prompt(tokenizer, prompt, chat: bool) -> list[int]:
+    """Token ids of a prompt: a chat (list of messages) or, with `chat`, text as a user turn
+    through the chat template (with the generation prompt); else the plain text. One helper
+    for the rollout, `miles generate` and `miles sft`."""
+    if isinstance(prompt, list) or chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    return tokenizer(str(prompt)).input_ids

@@ -31,7 +31,7 @@ from miles.rollout.weights import apply_named_tensors
 class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    sample: Sample | None = None  # filled in place when given (keeps group_index, label, ...)
+    sample: Sample | None = None  # filled in place when given (keeps prompt, label, metadata)
     uid: int = -1
 
 
@@ -74,6 +74,7 @@ class Engine:
         # while requests are decoding, admit waiting ones only once this many slots are free
         self.admit_batch = admit_batch if admit_batch is not None else max(1, max_batch_size // 8)
         self.weight_version = 0
+        self.restarts = 0  # an in-process engine is never restarted (the Ray manager's count)
         self.is_moe = model.config.is_moe
         self._eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -178,6 +179,17 @@ class Engine:
                 return 0
             freed, self.cache = self.cache.nbytes, None
             return freed
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        """This engine's weights (one engine), for --check-weight-update-equal."""
+        return [self.model.state_dict()]
+
+    def node_ids(self) -> list[str]:
+        """Ray nodes of the engine processes: none, it runs in this one."""
+        return []
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the engine lives and ends with this process."""
 
     @property
     def kv_cache_bytes(self) -> int:

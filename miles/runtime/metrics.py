@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from miles.config import to_dict
+from miles.config.schema import RunConfig
 from miles.errors import MilesError
 
 log = logging.getLogger("miles")
+
+
+def run_dir_for(cfg: RunConfig) -> Path:
+    path = Path(cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
 
 
 class MetricsLogger:

@@ -21,36 +21,11 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from miles.data.sample import Sample
 from miles.rollout.engine import Request
-from miles.sync.buckets import BucketMeta, SyncIntegrityError, pack, plan_buckets, unpack
-from miles.sync.group import GroupSender
+from miles.sync.buckets import BucketMeta, SyncIntegrityError, unpack_bucket
+from miles.sync.object_store import from_object_store, put_buckets
 from miles.sync.transports import SyncStats
 
 log = logging.getLogger("miles.ray")
-
-
-def from_object_store(array) -> torch.Tensor:
-    """A tensor from what Ray's object store gave back: numpy arrays come back as read-only views
-    of the shared store (no copy, unlike a pickled tensor: ~3x faster end to end); we only read
-    them. A tensor (dtypes numpy lacks, e.g. bfloat16, travel pickled) passes through."""
-    import warnings
-
-    if isinstance(array, torch.Tensor):
-        return array
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": it is never written
-        return torch.from_numpy(array)
-
-
-def put_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[tuple[BucketMeta, ray.ObjectRef]]:
-    """Checksummed buckets put into Ray's object store by this process (as numpy: engines read
-    them in place), with their metadata."""
-    out = []
-    for items in plan_buckets(named, bucket_bytes):
-        flat, meta = pack(items)
-        out.append((meta, ray.put(flat.numpy())))
-    return out
 
 
 def split_by_prompt(requests: Sequence[Request], n: int) -> list[list[int]]:
@@ -65,30 +40,6 @@ def split_by_prompt(requests: Sequence[Request], n: int) -> list[list[int]]:
     for group in sorted(by_prompt.values(), key=len, reverse=True):
         min(chunks, key=len).extend(group)
     return [sorted(c) for c in chunks]
-
-
-class DriverWeightSource(GroupSender):
-    """The weight-update group's sender for a model in this process (a script or notebook that
-    drives a `RolloutManager` itself); `miles train`'s `RayTrainer` offers the same methods for
-    its rank 0."""
-
-    def __init__(self, policy: torch.nn.Module) -> None:
-        self.policy, self.device = policy, next(policy.parameters()).device
-
-    def weight_group_address(self) -> tuple[str, int]:
-        from miles.runtime.placement import free_address
-
-        return free_address()
-
-    def broadcast_weights(self, bucket_bytes: int) -> SyncStats:
-        from miles.models.checkpoint import hf_state_dict
-
-        return self.weight_group.send(hf_state_dict(self.policy).items(), bucket_bytes)
-
-    def publish(self, bucket_bytes: int) -> list[tuple[BucketMeta, ray.ObjectRef]]:
-        from miles.models.checkpoint import hf_state_dict
-
-        return put_buckets(hf_state_dict(self.policy).items(), bucket_bytes)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0)
@@ -109,7 +60,7 @@ class EngineActor:
         `device`: --device (cuda: the GPU Ray gave this actor)."""
         from miles.models import registry
         from miles.rollout.engine import Engine
-        from miles.runtime.setup import resolve_device
+        from miles.runtime.devices import resolve_device
 
         torch.set_num_threads(threads)
         dev = self.device = resolve_device(device)
@@ -127,6 +78,7 @@ class EngineActor:
         policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
         self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
+        self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
 
     def _mine(self, named):
         """The full HF tensors of a sync, cut to this rank's part for a tensor-parallel engine."""
@@ -143,7 +95,7 @@ class EngineActor:
         with self.engine.paused():  # all buckets land between the same two decoding steps
             for meta, ref in buckets:
                 flat = ref if isinstance(ref, torch.Tensor) else from_object_store(ray.get(ref))
-                self.engine.update_weights(self._mine(unpack(flat, meta)), version=version)
+                self.engine.update_weights(self._mine(unpack_bucket(flat, meta)), version=version)
         return self.engine.weight_version
 
     def update_weights_from_handles(self, blob: bytes, version: int) -> int:
@@ -152,7 +104,7 @@ class EngineActor:
         shm manager unlink the file, and the next open fails.)"""
         from miles.sync.transports import open_handles
 
-        if blob != getattr(self, "_mapped_blob", None):
+        if blob != self._mapped_blob:
             self._mapped, self._mapped_blob = open_handles(blob), blob
         self.engine.update_weights(self._mine(self._mapped), version=version)
         return self.engine.weight_version
@@ -211,8 +163,8 @@ class RolloutManager:
         self._options = actor_options or [{}] * (num_engines * tp_size)
         self._engine_args = (model, max_batch_size, max_seq_len, seed)
         self.tp_size, self.device = tp_size, device
-        self.groups: list[list] = [self._start_engine(j) for j in range(num_engines)]
-        self.actors = [a for g in self.groups for a in g]
+        self.engines: list[list] = [self._start_engine(j) for j in range(num_engines)]
+        self.actors = [a for g in self.engines for a in g]
         from miles.models.registry import tokenizer_for
 
         self.tokenizer = tokenizer_for(model)  # prompts are encoded here, generated there
@@ -270,7 +222,7 @@ class RolloutManager:
         self._sync_every_engine()
 
     def update_weights_by_broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
-        """The trainer (`source`, see `DriverWeightSource`) broadcasts its weights to every engine
+        """The trainer (`source`, a `RayTrainer`) broadcasts its weights to every engine
         process over the weight-update group; the group is formed on first use, and again after
         an engine restarted (its old peer is gone)."""
         self._source, self._bucket_bytes = source, bucket_bytes
@@ -297,7 +249,7 @@ class RolloutManager:
     def _sync_every_engine(self) -> None:
         """Every engine takes the latest weights (as `_resync` sends them); one that died since
         the last call is restarted and synced again, so a sync never stops the run for it."""
-        refs = [self._resync(group) for group in self.groups]
+        refs = [self._resync(group) for group in self.engines]
         for j, engine_refs in enumerate(refs):
             try:
                 ray.get(engine_refs)
@@ -353,7 +305,7 @@ class RolloutManager:
         from miles.models.tensor_parallel import unshard
 
         out = []
-        for group in self.groups:
+        for group in self.engines:
             parts = [state for _, state in ray.get([a.state.remote() for a in group])]
             out.append({name: unshard(name, [p[name] for p in parts]) for name in parts[0]})
         return out
@@ -364,14 +316,14 @@ class RolloutManager:
         self.restarts += 1
         self._group_formed = False  # its place in the weight-update group died with it
         if self.tp_size > 1:
-            for a in self.groups[index]:
+            for a in self.engines[index]:
                 ray.kill(a, no_restart=True)
-            self.groups[index] = self._start_engine(index)
-            self.actors = [a for g in self.groups for a in g]
+            self.engines[index] = self._start_engine(index)
+            self.actors = [a for g in self.engines for a in g]
         deadline = time.time() + 120
         while True:
             try:
-                ray.get(self._resync(self.groups[index]))
+                ray.get(self._resync(self.engines[index]))
                 return
             except RayActorError:
                 if time.time() > deadline:
@@ -390,11 +342,11 @@ class RolloutManager:
 
     def generate(self, requests: Sequence[Request]) -> list[Sample]:
         """All samples, in request order, whatever happens to the actors on the way."""
-        n = len(self.groups)
+        n = len(self.engines)
         chunks = split_by_prompt(requests, n)
 
         def submit(i: int) -> list:  # every rank of a tensor-parallel engine runs the same requests
-            return [a.generate.remote([requests[j] for j in chunks[i]]) for a in self.groups[i]]
+            return [a.generate.remote([requests[j] for j in chunks[i]]) for a in self.engines[i]]
 
         pending = {i: submit(i) for i, chunk in enumerate(chunks) if chunk}
         out: list[Sample | None] = [None] * len(requests)

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from ray.exceptions import RayActorError
 
-from miles.config import make_config
+from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.errors import MilesError
 from miles.runtime.placement import rendezvous
-from miles.runtime.ray_rollout import from_object_store, put_buckets
 from miles.sync.group import GroupSender
+from miles.sync.object_store import from_object_store, put_buckets
 
 
 def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
@@ -74,21 +74,17 @@ class TrainerActor(GroupSender):
     """One training rank; rank 0 also sends the weights to the engines (--sync-transport broadcast)."""
 
     def __init__(
-        self, rank: int, world: int, port: int, values: dict, threads: int = 1, addr: str = "127.0.0.1"
+        self, rank: int, world: int, port: int, cfg: RunConfig, threads: int = 1, addr: str = "127.0.0.1"
     ) -> None:
+        """`cfg`: the driver's resolved configuration, used as it is (not validated again)."""
         from miles.models import registry
-        from miles.runtime.setup import resolve_device
+        from miles.runtime.devices import resolve_device
         from miles.train.policy_trainer import PolicyTrainer, needs_reference
 
         torch.set_num_threads(threads)
-        cfg = make_config(values)
         device = resolve_device(cfg.model.device)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
-        if cfg.train.global_batch_size % world:
-            raise ValueError(
-                f"--global-batch-size {cfg.train.global_batch_size} must split over {world} training ranks"
-            )
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
@@ -205,7 +201,7 @@ class TrainerActor(GroupSender):
         dist.destroy_process_group()
 
 
-def shard(items: list, world: int) -> list[list]:
+def split_evenly(items: list, world: int) -> list[list]:
     """Contiguous equal shards (the data order of one process, cut in `world` pieces)."""
     n = len(items) // world
     return [items[r * n : (r + 1) * n] for r in range(world)]
@@ -220,18 +216,11 @@ class RayTrainer:
         self, cfg, policy: torch.nn.Module, world: int, actor_options: list[dict] | None = None
     ) -> None:
         """`actor_options[r]`: Ray options of rank r (its placement-group bundle and share)."""
-        import dataclasses
-
-        values = {
-            f.name: getattr(getattr(cfg, sec.name), f.name)
-            for sec in dataclasses.fields(cfg)
-            for f in dataclasses.fields(getattr(cfg, sec.name))
-        }
         options = actor_options or [{}] * world
         self._rank0_options = options[0]
         addr, port = rendezvous(options[0])  # on rank 0's node
         self.ranks = [
-            TrainerActor.options(**options[r]).remote(r, world, port, values, addr=addr) for r in range(world)
+            TrainerActor.options(**options[r]).remote(r, world, port, cfg, addr=addr) for r in range(world)
         ]
         self.policy, self.world = policy, world
         self._policy_stale = False
@@ -249,14 +238,16 @@ class RayTrainer:
         """Per-token log pi_old - log pi_ref of every sample, each rank computing its shard."""
         if len(samples) % self.world:
             raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
-        shards = shard(list(samples), self.world)
+        shards = split_evenly(list(samples), self.world)
         parts = ray.get(self._submit(lambda: [r.reference_kl.remote(s) for r, s in zip(self.ranks, shards)]))
         return [t for part in parts for t in part]
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         if len(samples) % self.world:
             raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
-        shards = zip(self.ranks, shard(list(samples), self.world), shard(list(advantages), self.world))
+        shards = zip(
+            self.ranks, split_evenly(list(samples), self.world), split_evenly(list(advantages), self.world)
+        )
         calls = self._submit(lambda: [r.train.remote(s, a) for r, s, a in shards])
         try:
             per_rank = ray.get(calls)
@@ -280,17 +271,32 @@ class RayTrainer:
         """Bring the driver's copy of the policy up to rank 0's weights (for checkpoints, zero-copy
         sync and --check-weight-update-equal; the standard sync goes rank 0 -> engines directly)."""
         if self._policy_stale:
-            state = self._from_rank0("state_dict", as_numpy=True)
+            state = self._from_rank0(lambda r: r.state_dict.remote(as_numpy=True))
             self.policy.load_state_dict({k: from_object_store(v) for k, v in state.items()})
             self._policy_stale = False
 
-    def share_handles(self) -> bytes | None:
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's weights by Hugging Face name (through the driver's copy)."""
+        from miles.models.checkpoint import hf_state_dict
+
+        self.sync_policy()
+        return hf_state_dict(self.policy)
+
+    def share_weights(self) -> None:
+        """Zero-copy sync: the driver's copy goes to shared memory (used with FSDP, whose ranks
+        hold shards only); rank 0 shares its own weights on the first `weight_handles`."""
+        from miles.models.checkpoint import hf_state_dict
+        from miles.sync.transports import share
+
+        share(hf_state_dict(self.policy).items())
+
+    def weight_handles(self) -> bytes | None:
         """Handles to rank 0's weights in shared memory (None with FSDP: a rank holds only a shard)."""
         return None if self._collective else ray.get(self.ranks[0].share_handles.remote())
 
-    def node_id(self) -> str:
-        """Rank 0's Ray node."""
-        return ray.get(self.ranks[0].node_id.remote())
+    def node_ids(self) -> list[str]:
+        """Rank 0's Ray node (the one that sends weights)."""
+        return [ray.get(self.ranks[0].node_id.remote())]
 
     def weight_group_address(self) -> tuple[str, int]:
         return rendezvous(self._rank0_options)
@@ -303,19 +309,19 @@ class RayTrainer:
 
     def broadcast_weights(self, bucket_bytes: int):
         """Rank 0 -> every engine over the weight-update group; its `SyncStats`."""
-        return self._from_rank0("broadcast_weights", bucket_bytes)
+        return self._from_rank0(lambda r: r.broadcast_weights.remote(bucket_bytes))
 
     def publish(self, bucket_bytes: int) -> list:
         """Rank 0's weights as object-store buckets, for `RolloutManager.update_weights_from_buckets`."""
-        return self._from_rank0("publish", bucket_bytes)
+        return self._from_rank0(lambda r: r.publish.remote(bucket_bytes))
 
-    def _from_rank0(self, method: str, *args, **kwargs):
-        """Rank 0's answer; with FSDP every rank joins (the whole state is gathered)."""
+    def _from_rank0(self, call):
+        """Rank 0's answer to `call(rank)`; with FSDP every rank joins (the whole state is gathered)."""
         ranks = self.ranks if self._collective else self.ranks[:1]
-        return ray.get(self._submit(lambda: [getattr(r, method).remote(*args, **kwargs) for r in ranks]))[0]
+        return ray.get(self._submit(lambda: [call(r) for r in ranks]))[0]
 
     def state_dict(self) -> dict:
-        return self._from_rank0("actor_state")
+        return self._from_rank0(lambda r: r.actor_state.remote())
 
     def load_state_dict(self, state: dict) -> None:
         model_state = self.policy.state_dict()

@@ -1,5 +1,5 @@
 """miles.sync: moving weights from the trainer to rollout engines (buckets, transports, checks)."""
 
-from miles.sync.buckets import SyncIntegrityError, pack, plan_buckets, unpack
+from miles.sync.buckets import SyncIntegrityError, pack_bucket, plan_buckets, unpack_bucket
 
-__all__ = ["SyncIntegrityError", "pack", "plan_buckets", "unpack"]
+__all__ = ["SyncIntegrityError", "pack_bucket", "plan_buckets", "unpack_bucket"]

@@ -74,7 +74,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack(
+def pack_bucket(
     items: list[tuple[str, torch.Tensor]], checksums: bool = True, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, BucketMeta]:
     """Copy tensors into one uint8 buffer (`out` when it is large enough: reusing a buffer saves
@@ -101,7 +101,9 @@ def pack(
     return flat, BucketMeta(tuple(metas), total)
 
 
-def unpack(flat: torch.Tensor, meta: BucketMeta, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(
+    flat: torch.Tensor, meta: BucketMeta, verify: bool = True
+) -> list[tuple[str, torch.Tensor]]:
     """Views of each tensor in `flat`; with `verify`, raise naming every tensor whose checksum differs."""
     if flat.numel() != meta.nbytes:
         raise SyncIntegrityError(f"bucket has {flat.numel()} bytes, expected {meta.nbytes}")

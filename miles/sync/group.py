@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from miles.sync.buckets import SyncIntegrityError, checksum_bytes, pack, plan_buckets, unpack
+from miles.sync.buckets import SyncIntegrityError, checksum_bytes, pack_bucket, plan_buckets, unpack_bucket
 from miles.sync.transports import SyncStats
 
 
@@ -61,7 +61,7 @@ class WeightGroup:
         try:
             self._broadcast_bytes(pickle.dumps(len(plan)))
             for items in plan:
-                flat, meta = pack(items)
+                flat, meta = pack_bucket(items)
                 self._broadcast_bytes(pickle.dumps(meta))
                 self._broadcast(flat.to(self.device))
                 stats.buckets += 1
@@ -97,7 +97,7 @@ class WeightGroup:
             if wrong:
                 bad.extend(wrong)
                 continue
-            yield unpack(flat, meta, verify=False)
+            yield unpack_bucket(flat, meta, verify=False)
         if bad:
             raise SyncIntegrityError(
                 f"weight-update group: {len(bad)} tensor(s) arrived corrupted on rank {self.rank}: {bad[:5]}"

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from miles.errors import MilesError
 from miles.sync.buckets import checksum
-from miles.sync.transports import BucketBuffer, SyncStats, send_bucketed, send_shared
+from miles.sync.transports import BucketBuffer, SyncStats, handles, send_bucketed, send_shared
 
 log = logging.getLogger("miles")
 
@@ -96,28 +96,36 @@ class SharedMemory:
 
     name = "zero-copy (shared memory handles)"
 
-    def __init__(self, trainer, rollout) -> None:
-        self.trainer, self.rollout = trainer, rollout
+    def __init__(self, trainer, rollout, engine_in_process: bool) -> None:
+        self.trainer, self.rollout, self.in_process = trainer, rollout, engine_in_process
         self.trainer.share_weights()
 
     def push(self, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        blob = self.trainer.weight_handles()
-        if blob is None:  # the trainer's own weights are local to this process
-            return send_shared(list(self.trainer.hf_weights().items()), self.rollout, version)
+        blob = self.trainer.weight_handles()  # rank 0's own; None: the weights this process holds
+        if blob is None:
+            named = list(self.trainer.hf_weights().items())
+            if self.in_process:
+                return send_shared(named, self.rollout, version)
+            blob = handles(named)  # the driver's copy (FSDP ranks hold shards only)
         self.rollout.update_weights_from_handles(blob, version)
         payload = sum(t.numel() * t.element_size() for t in self.trainer.policy.parameters())
         return SyncStats(0, 1, payload, len(blob), time.perf_counter() - t0)
 
 
 @dataclass
-class ObjectStore:
-    """Training rank 0 puts buckets into Ray's object store; every engine actor fetches them."""
+class _RankZeroToEngines:
+    """A sync from training rank 0 to the Ray engine actors."""
 
     trainer: object  # RayTrainer
     rollout: object  # RolloutManager
     bucket_bytes: int
-    name: str = "Ray object store buckets"
+
+
+class ObjectStore(_RankZeroToEngines):
+    """Training rank 0 puts buckets into Ray's object store; every engine actor fetches them."""
+
+    name = "Ray object store buckets"
 
     def push(self, version: int) -> SyncStats:
         t0 = time.perf_counter()
@@ -128,14 +136,10 @@ class ObjectStore:
         return SyncStats(tensors, len(buckets), payload, payload, time.perf_counter() - t0)
 
 
-@dataclass
-class Broadcast:
+class Broadcast(_RankZeroToEngines):
     """Rank 0 broadcasts to every engine over the weight-update group."""
 
-    trainer: object  # RayTrainer
-    rollout: object  # RolloutManager
-    bucket_bytes: int
-    name: str = "broadcast over the weight-update group"
+    name = "broadcast over the weight-update group"
 
     def push(self, version: int) -> SyncStats:
         t0 = time.perf_counter()
@@ -170,13 +174,15 @@ class CheckedSync:
         return stats
 
 
-def make_weight_sync(transport: str, trainer, rollout, bucket_bytes: int, check_equal: bool) -> WeightSync:
+def make_weight_sync(
+    transport: str, trainer, rollout, bucket_bytes: int, check_equal: bool, on_ray: bool = False
+) -> WeightSync:
     """The strategy object for a transport chosen by `choose_transport`."""
     sync: WeightSync
     if transport == "in-process":
         sync = InProcessBuckets(trainer, rollout, bucket_bytes)
     elif transport == "shared-memory":
-        sync = SharedMemory(trainer, rollout)
+        sync = SharedMemory(trainer, rollout, engine_in_process=not on_ray)
     elif transport == "broadcast":
         sync = Broadcast(trainer, rollout, bucket_bytes)
     else:

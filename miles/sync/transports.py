@@ -23,7 +23,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing as tmp  # registers the tensor-sharing reductions with ForkingPickler
 
-from miles.sync.buckets import pack, plan_buckets, unpack
+from miles.sync.buckets import pack_bucket, plan_buckets, unpack_bucket
 
 log = logging.getLogger("miles.sync")
 
@@ -61,8 +61,10 @@ def send_bucketed(
     stats, t0 = SyncStats(), time.perf_counter()
     for items in plan_buckets(named, bucket_bytes):
         size = sum(t.numel() * t.element_size() + 64 for _, t in items)
-        flat, meta = pack(items, checksums=verify, out=staging.get(size) if staging is not None else None)
-        received = unpack(flat, meta, verify=verify)
+        flat, meta = pack_bucket(
+            items, checksums=verify, out=staging.get(size) if staging is not None else None
+        )
+        received = unpack_bucket(flat, meta, verify=verify)
         receiver.update_weights(received, version=version)
         stats.buckets += 1
         stats.tensors += len(items)
@@ -115,18 +117,15 @@ def open_handles(blob: bytes) -> list[tuple[str, torch.Tensor]]:
 
 
 def send_shared(named: list[tuple[str, torch.Tensor]], receiver, version: int | None) -> SyncStats:
-    """Pass handles; the receiver maps the memory and copies it into its own weights (a remote
-    receiver with `update_weights_from_handles` opens them in its own processes)."""
+    """Pass handles to an engine in this process: it maps the memory and copies it into its own
+    weights (engine processes get the same handles through `RolloutManager.update_weights_from_handles`)."""
     t0 = time.perf_counter()
     payload = sum(t.numel() * t.element_size() for _, t in named)
-    if not hasattr(receiver, "update_weights_from_handles") and any(t.is_cuda for _, t in named):
+    if any(t.is_cuda for _, t in named):
         # same process on a GPU: CUDA cannot open its own IPC handles; the tensors themselves are
         # the zero-copy view
         receiver.update_weights(list(named), version=version)
         return SyncStats(len(named), 1, payload, 0, time.perf_counter() - t0)
     blob = handles(named)
-    if hasattr(receiver, "update_weights_from_handles"):
-        receiver.update_weights_from_handles(blob, version)
-    else:
-        receiver.update_weights(open_handles(blob), version=version)
+    receiver.update_weights(open_handles(blob), version=version)
     return SyncStats(len(named), 1, payload, len(blob), time.perf_counter() - t0)

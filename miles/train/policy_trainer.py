@@ -24,21 +24,23 @@ from miles.algo.masked import aggregate
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
+from miles.models.checkpoint import hf_state_dict
 from miles.models.transformer import Transformer
-from miles.train.logprobs import PackedBatch, forward_logprobs, pack, recorded_routing
+from miles.sync.transports import share
+from miles.train.batch import PackedBatch, forward_logprobs, pack_samples, recorded_routing
 
 log = logging.getLogger("miles")
 
 
 def lr_lambda(cfg: RunConfig):
-    t, total = cfg.train, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout
+    train_cfg, total = cfg.train, cfg.rollout.num_rollout * cfg.train.num_steps_per_rollout
 
     def factor(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.lr_decay_style == "cosine":
-            progress = min(1.0, (step - t.warmup_steps) / max(1, total - t.warmup_steps))
-            floor = t.min_lr / t.lr
+        if train_cfg.warmup_steps and step < train_cfg.warmup_steps:
+            return (step + 1) / train_cfg.warmup_steps
+        if train_cfg.lr_decay_style == "cosine":
+            progress = min(1.0, (step - train_cfg.warmup_steps) / max(1, total - train_cfg.warmup_steps))
+            floor = train_cfg.min_lr / train_cfg.lr
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
         return 1.0
 
@@ -79,8 +81,8 @@ def loss_denominator(samples: Sequence[Sample], agg: str) -> float:
 
 def needs_reference(cfg: RunConfig) -> bool:
     """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward)."""
-    a = cfg.algo
-    return (a.use_kl_loss and a.kl_loss_coef > 0) or a.kl_coef > 0
+    algo = cfg.algo
+    return (algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0
 
 
 class PolicyTrainer:
@@ -91,9 +93,12 @@ class PolicyTrainer:
         `world`: data-parallel ranks, each training on its 1/world of every global batch."""
         self.model, self.cfg = model.train(), cfg
         self.device = model.lm_head.weight.device  # batches go there; metrics come back as floats
-        t = cfg.train
+        train_cfg = cfg.train
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay
+            model.parameters(),
+            lr=train_cfg.lr,
+            betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+            weight_decay=train_cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.ref_model = None
@@ -124,9 +129,31 @@ class PolicyTrainer:
         self.skipped_steps = state["skipped_steps"]
         self.consecutive_skipped = state.get("consecutive_skipped", 0)
 
+    @property
+    def policy(self) -> Transformer:
+        """The policy the driver checkpoints: this trainer's own model."""
+        return self.model
+
     def sync_policy(self) -> None:
         """The driver's policy is this trainer's own model here: nothing to fetch (the Ray
         trainer's version copies rank 0's weights)."""
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The weights to publish, by Hugging Face name (views of the model's own tensors)."""
+        return hf_state_dict(self.model)
+
+    def share_weights(self) -> None:
+        """Zero-copy sync: move the weights into shared memory once; the optimizer keeps updating
+        them there."""
+        share(hf_state_dict(self.model).items())
+
+    def weight_handles(self) -> bytes | None:
+        """None: an engine in this process reads the tensors themselves (`send_shared`)."""
+        return None
+
+    def node_ids(self) -> list[str]:
+        """Ray nodes this trainer runs on beyond the driver's: none."""
+        return []
 
     def offload(self) -> int:
         """Move weights, gradients and optimizer state (and the reference model) to CPU while a
@@ -181,7 +208,7 @@ class PolicyTrainer:
         mb = self.cfg.train.micro_batch_size
         for i in range(0, len(samples), mb):
             chunk = samples[i : i + mb]
-            batch = pack(chunk, self.cfg.algo.use_r3, self.cfg.train.share_prompts)
+            batch = pack_samples(chunk, self.cfg.algo.use_r3, self.cfg.train.share_prompts)
             logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
             for b, s in enumerate(chunk):
                 out.append(logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone())
@@ -281,8 +308,8 @@ class PolicyTrainer:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the global batch's loss (its sums / `denominator`), and
         its metrics: the `ADDITIVE_METRICS` as shares, the rest as this micro-batch's means."""
-        cfg, a = self.cfg, self.cfg.algo
-        batch: PackedBatch = pack(samples, a.use_r3, cfg.train.share_prompts).to(self.device)
+        cfg, algo = self.cfg, self.cfg.algo
+        batch: PackedBatch = pack_samples(samples, algo.use_r3, cfg.train.share_prompts).to(self.device)
         logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
@@ -299,16 +326,23 @@ class PolicyTrainer:
         has_rollout = all(s.rollout_log_probs is not None for s in samples)
         if has_rollout:
             parts.update(mismatch_metrics(old_t, rollout_t, mask))
-        if a.use_tis and has_rollout:
+        if algo.use_tis and has_rollout:
             w = importance_weights(
-                old_t, rollout_t, mask, a.tis_level, a.tis_mode, a.tis_clip, a.tis_clip_low, a.tis_threshold
+                old_t,
+                rollout_t,
+                mask,
+                algo.tis_level,
+                algo.tis_mode,
+                algo.tis_clip,
+                algo.tis_clip_low,
+                algo.tis_threshold,
             )
             weights = w.weights
             parts.update(tis_mean=float(w.mean), tis_clipfrac=float(w.clipfrac))
         pl = policy_loss(
-            logp, old_t, adv, mask, a.eps_clip, a.eps_clip_high, a.eps_clip_c,
-            ratio_type="sequence" if a.advantage_estimator == "gspo" else "token",
-            agg=a.loss_agg_mode, norm_length=cfg.rollout.rollout_max_response_len, token_weights=weights,
+            logp, old_t, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c,
+            ratio_type="sequence" if algo.advantage_estimator == "gspo" else "token",
+            agg=algo.loss_agg_mode, norm_length=cfg.rollout.rollout_max_response_len, token_weights=weights,
             denominator=denominator,
         )  # fmt: skip
         loss = pl.loss
@@ -318,17 +352,17 @@ class PolicyTrainer:
             pg_dual_clipfrac=float(pl.dual_clipfrac),
             ppo_kl=float(pl.approx_kl),
         )
-        agg, norm = a.loss_agg_mode, cfg.rollout.rollout_max_response_len
-        if a.entropy_coef > 0:
+        agg, norm = algo.loss_agg_mode, cfg.rollout.rollout_max_response_len
+        if algo.entropy_coef > 0:
             ent = aggregate(entropy_of(logits), mask, agg, norm, denominator)
-            loss = loss - a.entropy_coef * ent
+            loss = loss - algo.entropy_coef * ent
         else:
             with torch.no_grad():
                 ent = aggregate(entropy_of(logits.detach()), mask, agg, norm, denominator)
         parts["entropy"] = float(ent.detach())
-        if ref is not None and a.use_kl_loss and a.kl_loss_coef > 0:
-            kl = aggregate(kl_estimate(logp, ref_t, a.kl_loss_type), mask, agg, norm, denominator)
-            loss = loss + a.kl_loss_coef * kl
+        if ref is not None and algo.use_kl_loss and algo.kl_loss_coef > 0:
+            kl = aggregate(kl_estimate(logp, ref_t, algo.kl_loss_type), mask, agg, norm, denominator)
+            loss = loss + algo.kl_loss_coef * kl
             parts["kl_loss"] = float(kl.detach())
         if cfg.train.aux_loss_coef > 0 and out.router_logits:
             # the load-balancing loss is a product of batch statistics, not a sum over tokens: it

@@ -18,10 +18,11 @@ from miles.data.sample import Sample
 from miles.errors import ConfigError
 from miles.models import registry
 from miles.models.checkpoint import save_model
+from miles.models.tokenizer import encode_prompt
+from miles.rewards.runner import RewardRunner
 from miles.rollout.engine import Engine, Request
-from miles.rollout.rollout import encode_prompt
 from miles.rollout.sampling import SamplingParams
-from miles.train.logprobs import forward_logprobs, pack
+from miles.train.batch import forward_logprobs, pack_samples
 
 
 @dataclass
@@ -64,7 +65,9 @@ def sft_samples(items: list[PromptItem], tokenizer, chat: bool) -> list[Sample]:
     return out
 
 
-def greedy_accuracy(model, tokenizer, items: list[PromptItem], chat: bool, scorer) -> float:
+def greedy_accuracy(model, tokenizer, items: list[PromptItem], chat: bool, rewards: RewardRunner) -> float:
+    """Share of held-out prompts whose greedy answer the run's reward scores 1 (the RL loop's
+    definition of correct)."""
     engine = Engine(copy.deepcopy(model), tokenizer, max_batch_size=128, max_seq_len=256)
     params = SamplingParams(temperature=0, max_new_tokens=16)
     samples = engine.generate(
@@ -77,7 +80,8 @@ def greedy_accuracy(model, tokenizer, items: list[PromptItem], chat: bool, score
             for i in items
         ]
     )
-    return sum(scorer(s) >= 1.0 for s in samples) / len(samples)
+    rewards.score_groups([[s] for s in samples])
+    return sum(s.reward >= 1.0 for s in samples) / len(samples)
 
 
 def run_sft(cfg: SFTConfig) -> dict:
@@ -86,20 +90,15 @@ def run_sft(cfg: SFTConfig) -> dict:
     if cfg.task:
         items, dataset = task_prompts(cfg.task, 100_000, cfg.seed, cfg.task_config or {})
         held, _ = task_prompts(cfg.task, cfg.eval_size, cfg.seed + 10_007, cfg.task_config or {})
-
-        def scorer(s: Sample) -> float:
-            return float(dataset.score_answer(s.response.strip(), s.metadata["rg_entry"]))
     elif cfg.data:
         items = file_prompts(cfg.data, cfg.input_key, cfg.label_key, None, "--data")
         random.Random(cfg.seed).shuffle(items)
-        held, items = items[: cfg.eval_size], items[cfg.eval_size :]
-
-        def scorer(s: Sample) -> float:
-            return float(s.response.strip() == str(s.label).strip())
+        held, items, dataset = items[: cfg.eval_size], items[cfg.eval_size :], None
     else:
         raise ConfigError("miles sft needs --task or --data")
     if not items:
         raise ConfigError("miles sft: no training records")
+    rewards = RewardRunner("auto", None, False, 30.0, dataset)  # the task's scorer, else exact match
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(cfg.seed)
@@ -109,7 +108,9 @@ def run_sft(cfg: SFTConfig) -> dict:
     t0 = time.perf_counter()
     acc = float("nan")
     for step in bar:
-        batch = pack(sft_samples(rng.sample(items, min(cfg.batch_size, len(items))), tokenizer, cfg.chat))
+        batch = pack_samples(
+            sft_samples(rng.sample(items, min(cfg.batch_size, len(items))), tokenizer, cfg.chat)
+        )
         batch = batch.to(model.lm_head.weight.device)
         logp, _, _ = forward_logprobs(model, batch)
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
@@ -120,7 +121,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         record = {"step": step, "loss": loss.item(), "time": time.perf_counter() - t0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
             model.eval()
-            acc = greedy_accuracy(model, tokenizer, held, cfg.chat, scorer)
+            acc = greedy_accuracy(model, tokenizer, held, cfg.chat, rewards)
             model.train()
             record["eval_accuracy"] = acc
         history.append(record)

@@ -37,7 +37,9 @@ class PackedBatch:
         )  # fmt: skip
 
 
-def pack(samples: Sequence[Sample], replay_routing: bool = False, share_prompts: bool = False) -> PackedBatch:
+def pack_samples(
+    samples: Sequence[Sample], replay_routing: bool = False, share_prompts: bool = False
+) -> PackedBatch:
     T = max(len(s.tokens) for s in samples)
     B = len(samples)
     tokens = torch.zeros(B, T, dtype=torch.long)
@@ -86,17 +88,3 @@ def forward_logprobs(
         out = model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
     t = temperature if temperature > 0 else 1.0
     return token_logprobs(out.logits, batch.targets, temperature=t), out.logits, out
-
-
-def response_logprobs(
-    model: Transformer, samples: Sequence[Sample], temperature: float = 1.0, replay_routing: bool = False
-) -> list[list[float]]:
-    """Each sample's response-token log-probabilities, as the engine would report them."""
-    batch = pack(samples, replay_routing)
-    with torch.no_grad():
-        logp, _, _ = forward_logprobs(model, batch, temperature)
-    out = []
-    for b, s in enumerate(samples):
-        p = s.prompt_length
-        out.append(logp[b, p - 1 : len(s.tokens) - 1].tolist())
-    return out

@@ -1,4 +1,5 @@
-"""Training checkpoints: model, optimizer, scheduler, RNG and data position, written atomically.
+"""Training checkpoints (model, optimizer, scheduler, RNG, data position), written atomically,
+and resuming a run from them.
 
 Layout: SAVE/iter_0000010/ (an HF checkpoint + trainer_state.pt) and SAVE/latest (the newest
 iteration number). Each iteration is written to a temporary directory and renamed into place,
@@ -11,7 +12,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from miles.errors import CheckpointError, ConfigError
+from miles.models.checkpoint import atomic_directory, read_tensors, save_model, tensor_files
 from miles.models.checkpoint import load_state_dict_into as _load_into
-from miles.models.checkpoint import read_tensors, save_model, tensor_files
 
 log = logging.getLogger("miles")
 
@@ -36,19 +36,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(save_dir: str | Path, rollout_id: int, model, tokenizer, state: dict[str, Any]) -> Path:
+    """SAVE/iter_<rollout>, written whole or not at all; then `latest` names it (atomically)."""
     save_dir = Path(save_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / f"iter_{rollout_id:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_iter_", dir=save_dir))
-    try:
+    with atomic_directory(final) as tmp:
         save_model(model, tmp / "model", tokenizer=tokenizer)
         torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "trainer_state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     latest_tmp = save_dir / ".latest.tmp"
     latest_tmp.write_text(str(rollout_id))
     os.replace(latest_tmp, save_dir / "latest")
@@ -108,3 +101,22 @@ def load_latest(load_dir: str | Path, model) -> tuple[Path, dict[str, Any]] | No
             errors.append(str(e))
             log.warning("checkpoint %s cannot be loaded (%s); trying the one before it", path.name, e)
     raise CheckpointError(f"--load {load_dir}: no checkpoint loads; the newest: {errors[0]}")
+
+
+def resume(cfg, policy, trainer, sync, data, metrics) -> int:
+    """The first rollout to run: after the latest loadable checkpoint of --load (model, optimizer,
+    data position and engine weights restored, later metrics dropped), else 0 (old metrics moved
+    aside)."""
+    for d in (cfg.checkpoint.save, cfg.checkpoint.load):
+        if d:
+            clear_stale(d)
+    if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, policy)) is not None:
+        ckpt, state = loaded
+        trainer.load_state_dict(state["actor"])
+        data.train.position = state["data_position"]
+        sync.push(state["rollout_id"] + 1)  # the engines take the restored weights
+        metrics.truncate_after(state["rollout_id"])
+        log.info("resumed from %s at rollout %d", ckpt, state["rollout_id"] + 1)
+        return state["rollout_id"] + 1
+    metrics.archive_previous()
+    return 0

@@ -1,0 +1,118 @@
+"""Building a run's trainer, rollout and weight sync: in this process, or on Ray.
+
+One process when one training rank and one rollout device are asked for; otherwise training
+ranks (`RayTrainer`) and engine actors (`RolloutManager`) in one Ray placement group
+(`miles.runtime.placement`). Either way the loop gets the same three objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+from miles.config.schema import RunConfig
+from miles.models.checkpoint import hf_state_dict
+from miles.rollout.engine import Engine
+from miles.runtime.devices import resolve_device
+from miles.runtime.protocols import Rollout, Trainer
+from miles.sync.strategy import WeightSync, choose_transport, make_weight_sync
+from miles.sync.transports import shared_memory_available
+from miles.train.policy_trainer import PolicyTrainer
+
+log = logging.getLogger("miles")
+
+
+@dataclass
+class Executor:
+    trainer: Trainer
+    rollout: Rollout
+    sync: WeightSync
+
+
+def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Executor:
+    """The trainer/rollout pair for --actor-num-nodes x --actor-num-gpus-per-node training ranks
+    and --rollout-num-gpus engine devices, and the weight sync between them."""
+    sync_cfg, rollout_cfg = cfg.sync, cfg.rollout
+    ranks, devices = (
+        sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,
+        sync_cfg.rollout_num_gpus or 1,
+    )
+    if ranks == 1 and devices == 1:  # one process: trainer and engine share its device
+        policy.to(resolve_device(cfg.model.device))
+        engine = Engine(
+            copy.deepcopy(policy),
+            tokenizer,
+            rollout_cfg.rollout_max_batch_size,
+            max_seq_len=max_seq_len,
+            seed=rollout_cfg.rollout_seed,
+        )
+        trainer = PolicyTrainer(policy, cfg)
+        transport = choose_transport(
+            sync_cfg.sync_transport,
+            sync_cfg.use_zero_copy_sync,
+            False,
+            False,
+            sync_cfg.colocate,
+            1,
+            shared_memory_available(),
+        )
+        sync = make_weight_sync(
+            transport, trainer, engine, sync_cfg.sync_bucket_size, sync_cfg.check_weight_update_equal
+        )
+        return Executor(trainer, engine, sync)
+    return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
+
+
+def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, devices: int) -> Executor:
+    import ray
+
+    from miles.runtime.placement import create_placement, plan_layout
+    from miles.runtime.ray_rollout import RolloutManager
+    from miles.runtime.ray_train import RayTrainer
+
+    sync_cfg, rollout_cfg = cfg.sync, cfg.rollout
+    tp = sync_cfg.rollout_num_gpus_per_engine
+    if tp > 1:
+        from miles.models.tensor_parallel import check_divisible
+
+        check_divisible(policy, tp)  # before any actor starts
+    placement = create_placement(plan_layout(ranks, devices, sync_cfg.colocate), cfg.model.device)
+    layout = placement.layout
+    log.debug("placement on Ray (device %s): %s", cfg.model.device, layout)
+    manager = RolloutManager(
+        cfg.model.model,
+        devices // tp,
+        rollout_cfg.rollout_max_batch_size,
+        max_seq_len,
+        rollout_cfg.rollout_seed,
+        actor_options=[placement.options(b) for b in layout.rollout_bundles],
+        tp_size=tp,
+        device=cfg.model.device,
+    )
+    # training runs in actors even for one rank: each gets its own device from its bundle (a
+    # driver on "cuda:0" could share a GPU with an engine, and NCCL refuses two ranks on one GPU)
+    trainer = RayTrainer(cfg, policy, ranks, [placement.options(b) for b in layout.train_bundles])
+    manager.placement = placement  # freed with the engines (training ranks die with it)
+    hosts = 1
+    if sync_cfg.use_zero_copy_sync:  # handles open only on the host that made them
+        hosts = len({ray.get_runtime_context().get_node_id(), *trainer.node_ids(), *manager.node_ids()})
+    transport = choose_transport(
+        sync_cfg.sync_transport,
+        sync_cfg.use_zero_copy_sync,
+        True,
+        placement.use_gpu,
+        sync_cfg.colocate,
+        hosts,
+        shared_memory_available(),
+    )
+    sync = make_weight_sync(
+        transport,
+        trainer,
+        manager,
+        sync_cfg.sync_bucket_size,
+        sync_cfg.check_weight_update_equal,
+        on_ray=True,
+    )
+    manager.update_weights(hf_state_dict(policy).items(), version=0)  # the engines start from the policy
+    return Executor(trainer, manager, sync)
