@@ -41,8 +41,11 @@ def gguf_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path}: no such file")
+    sha = hashlib.sha256()
     with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    digest = sha.hexdigest()
     cached = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (cached / "config.json").exists() and (cached / SINGLE_FILE).exists():
         return cached

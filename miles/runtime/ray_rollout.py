@@ -230,7 +230,8 @@ class RolloutManager:
         try:
             return self._broadcast(source, version, bucket_bytes)
         except (RayActorError, RayTaskError, RuntimeError) as e:
-            if isinstance(e, SyncIntegrityError) or isinstance(getattr(e, "cause", None), SyncIntegrityError):
+            cause = e.cause if isinstance(e, RayTaskError) else e
+            if isinstance(e, SyncIntegrityError) or isinstance(cause, SyncIntegrityError):
                 raise  # corrupted weights stop the run
             log.warning(
                 "weight broadcast failed (%s); restarting engines that died and syncing every engine "
