@@ -73,6 +73,8 @@ CASES = [
         "--over-sampling-batch-size must be >=",
     ),
     (["--colocate", "--async-weight-sync"], "--colocate with --async-weight-sync"),
+    (["--save-debug-rollout-data", "{tmp}/r.pt"], "the pattern needs {rollout_id}"),
+    (["--debug-train-only"], "--debug-train-only and --load-debug-rollout-data go together"),
 ]
 
 

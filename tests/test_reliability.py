@@ -229,3 +229,24 @@ def test_debug_logging_shows_config_sync_and_step_timing(tmp_path):
     for line in ("resolved configuration", "rollout.rollout_batch_size = 4", "weight sync: in-process buckets",
                  "rollout 0: weight sync v1:", "rollout 0: rollout", "train_rollout_logprob_abs_diff="):  # fmt: skip
         assert line in proc.stderr, line
+
+
+def test_saved_rollouts_replay_the_run_without_an_engine(tmp_path):
+    """Split debugging: a run saves its rollouts; a --debug-train-only run (no engine) trains on
+    them and logs the same pg_loss and grad_norm, step for step."""
+    pattern = str(tmp_path / "rollouts" / "rollout_{rollout_id}.pt")
+    common = ["--eval-size", "0", "--use-kl-loss", "--kl-loss-coef", "0.01"]
+    train(load_config(small_run_args(tmp_path / "orig", 3) + common + ["--save-debug-rollout-data", pattern]))
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == [f"rollout_{i}.pt" for i in range(3)]
+    replay = ["--debug-train-only", "--load-debug-rollout-data", pattern]
+    train(load_config(small_run_args(tmp_path / "replay", 3) + common + replay))
+    original, replayed = read_metrics(tmp_path / "orig"), read_metrics(tmp_path / "replay")
+    assert [r["rollout"] for r in replayed] == [0, 1, 2]
+    for a, b in zip(original, replayed):
+        for key in ("pg_loss", "grad_norm", "kl_loss", "reward_mean", "train_samples"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["rollout"], key)
+    assert (
+        replayed[-1]["pg_loss"] != original[0]["pg_loss"]
+    )  # the steps differ: a real replay, not a constant
+    with pytest.raises(MilesError, match="rollout_3.pt \\(rollout 3\\) does not exist"):
+        train(load_config(small_run_args(tmp_path / "longer", 4) + common + replay))

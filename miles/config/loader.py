@@ -292,6 +292,24 @@ def validate(given: RunConfig) -> RunConfig:
     if train.min_lr > train.lr:
         raise ConfigError(f"--min-lr {train.min_lr} is above --lr {train.lr}")
     ckpt, logging_cfg = cfg.checkpoint, cfg.logging
+    debug = cfg.debug
+    if debug.save_debug_rollout_data and "{rollout_id}" not in debug.save_debug_rollout_data:
+        raise ConfigError(
+            f"--save-debug-rollout-data {debug.save_debug_rollout_data}: the pattern needs {{rollout_id}}, "
+            "e.g. runs/x/rollout_{rollout_id}.pt (one file per rollout)"
+        )
+    if debug.debug_train_only != bool(debug.load_debug_rollout_data):
+        raise ConfigError(
+            "--debug-train-only and --load-debug-rollout-data go together: the train-only run reads the saved "
+            "rollouts from that pattern"
+        )
+    if debug.debug_train_only and debug.debug_rollout_only:
+        raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other")
+    if debug.debug_train_only and (
+        cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node > 1
+        or (cfg.sync.rollout_num_gpus or 1) > 1
+    ):
+        raise ConfigError("--debug-train-only runs in one process: drop the Ray layout flags")
     if cfg.debug.debug_rollout_only and (ckpt.save or ckpt.save_hf):
         raise ConfigError(
             "--debug-rollout-only never trains, so there is nothing to --save / --save-hf; drop one of them"

@@ -417,18 +417,16 @@ class DebugSection:
     debug_rollout_only: bool = option(False, "generate and score, never train")
     debug_train_only: bool = option(
         False,
-        "train on --load-debug-rollout-data, never generate",
-        available="saved-rollout replay is not built yet",
+        "train on the rollouts saved in --load-debug-rollout-data, with no engine (one process; no evaluation): "
+        "reproduces the saving run's losses step for step",
     )
     save_debug_rollout_data: str | None = option(
         None,
-        "save each rollout's samples to this path pattern (with {rollout_id})",
-        available="saved-rollout replay is not built yet",
+        "write each rollout's scored samples to this path pattern, e.g. runs/x/rollout_{rollout_id}.pt "
+        "(format in miles/rollout/debug_data.py)",
     )
     load_debug_rollout_data: str | None = option(
-        None,
-        "train on samples saved by --save-debug-rollout-data",
-        available="saved-rollout replay is not built yet",
+        None, "the --save-debug-rollout-data pattern a --debug-train-only run reads"
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from miles.config.schema import RunConfig
 from miles.models.checkpoint import hf_state_dict
+from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
 from miles.runtime.protocols import Rollout, Trainer
@@ -38,6 +39,10 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
         sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,
         sync_cfg.rollout_num_gpus or 1,
     )
+    if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts
+        policy.to(resolve_device(cfg.model.device))
+        replay = ReplayRollout(tokenizer)
+        return Executor(PolicyTrainer(policy, cfg), replay, NoSync(replay))
     if ranks == 1 and devices == 1:  # one process: trainer and engine share its device
         policy.to(resolve_device(cfg.model.device))
         engine = Engine(

@@ -25,6 +25,7 @@ from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
+from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.groups import collect_groups, evaluate
 from miles.runtime.executors import build_executor
 from miles.runtime.metrics import MetricsLogger, run_dir_for
@@ -69,6 +70,8 @@ def train(cfg: RunConfig) -> Path:
             f"--model {cfg.model.model}: the checkpoint has no tokenizer (tokenizer.json); training needs one"
         )
     data = build_data(cfg)
+    if cfg.debug.debug_train_only:
+        data.eval_items = []  # evaluation generates, and there is no engine
     reward_cfg = cfg.reward
     rewards = RewardRunner(
         reward_cfg.rm_type,
@@ -189,10 +192,15 @@ class RolloutFeed:
 
     def _collect(self, rollout_id: int):
         # prompts are taken when the rollout starts, in order, so checkpoints know the position
-        run = self.run
-        return collect_groups(
+        run, debug = self.run, self.cfg.debug
+        if debug.debug_train_only:
+            return load_rollout(debug.load_debug_rollout_data, rollout_id)
+        groups, step = collect_groups(
             run.rollout, run.data.train.take(self.draw), self.cfg, run.rewards, rollout_id, run.keep
         )
+        if debug.save_debug_rollout_data:
+            save_rollout(debug.save_debug_rollout_data, rollout_id, groups, step)
+        return groups, step
 
     def next(self, rollout_id: int) -> tuple[list, dict]:
         run, cfg = self.run, self.cfg
