@@ -92,6 +92,10 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
     local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
     assert_same_run(local, distributed)
     assert (tmp_path / "ckpt" / "latest").read_text() == "2"
+    # each process kind's peak memory per step: ranks and engines each hold a model and torch (> 100 MB)
+    trained = [r for r in distributed if r["rollout"] >= 0]
+    assert all(r["mem_train_peak_rss_gb"] > 0.1 and r["mem_rollout_peak_rss_gb"] > 0.1 for r in trained)
+    assert all("mem_train_peak_rss_gb" not in r for r in local)  # one process: only the driver's
 
 
 def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):

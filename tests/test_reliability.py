@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -250,3 +251,22 @@ def test_saved_rollouts_replay_the_run_without_an_engine(tmp_path):
     )  # the steps differ: a real replay, not a constant
     with pytest.raises(MilesError, match="rollout_3.pt \\(rollout 3\\) does not exist"):
         train(load_config(small_run_args(tmp_path / "longer", 4) + common + replay))
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/clear_refs"), reason="per-step peaks need Linux's clear_refs"
+)
+def test_step_peak_memory_sees_each_steps_own_peak():
+    """A 200 MB allocation freed within a step shows in that step's peak and not in the next."""
+    import torch
+
+    from miles.runtime.memory import step_peak_memory
+
+    step_peak_memory()  # start a window
+    base = step_peak_memory()["peak_rss"]
+    block = torch.ones(50_000_000)  # 200 MB, touched
+    del block
+    peak = step_peak_memory()["peak_rss"]
+    after = step_peak_memory()["peak_rss"]
+    assert peak >= base + 190e6, (base, peak)
+    assert after < peak - 150e6, (peak, after)

@@ -118,6 +118,7 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
         "routing_mismatch.png",
         "time.png",
         "lengths.png",
+        "memory.png",
     } <= set(pngs)
     assert all((tmp_path / "tb" / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
     capsys.readouterr()

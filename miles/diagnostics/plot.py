@@ -18,6 +18,10 @@ PANELS = [
         ["rollout_time", "train_time", "sync_seconds"],
     ),  # seconds per step (train_time includes the sync)
     ("lengths", ["response_len_mean"]),
+    (
+        "memory",
+        ["mem_driver_peak_rss_gb", "mem_train_peak_rss_gb", "mem_rollout_peak_rss_gb"],
+    ),  # per-step peak GB
     ("loss", ["pg_loss", "entropy"]),
 ]
 

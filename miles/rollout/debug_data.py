@@ -74,6 +74,9 @@ class ReplayRollout:
     def node_ids(self) -> list[str]:
         return []
 
+    def peak_memory(self) -> list[dict[str, int]]:
+        return []
+
     def shutdown(self) -> None:
         pass
 

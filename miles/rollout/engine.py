@@ -188,6 +188,10 @@ class Engine:
         """Ray nodes of the engine processes: none, it runs in this one."""
         return []
 
+    def peak_memory(self) -> list[dict[str, int]]:
+        """None of its own: it shares the driver's process (`mem_driver_*`)."""
+        return []
+
     def shutdown(self) -> None:
         """Nothing to stop: the engine lives and ends with this process."""
 

@@ -28,6 +28,7 @@ from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.groups import collect_groups, evaluate
 from miles.runtime.executors import build_executor
+from miles.runtime.memory import memory_metrics, step_peak_memory
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
 from miles.runtime.protocols import Rollout, Trainer
@@ -142,11 +143,9 @@ def run_loop(run: Run) -> Path:
             step.update(train_and_sync(run, groups, rollout_id, profiler))
         t2 = time.perf_counter()
         step.update(
-            rollout_time=t1 - t0,
-            train_time=t2 - t1,
-            step_time=t2 - t0,
-            weight_version=run.rollout.weight_version,
-        )
+            rollout_time=t1 - t0, train_time=t2 - t1, step_time=t2 - t0, weight_version=run.rollout.weight_version,
+            **memory_step(run),
+        )  # fmt: skip
         last = rollout_id == total - 1
         if run.data.eval_items and (last or due(cfg.data.eval_interval, rollout_id)):
             step.update(feed.evaluate())
@@ -269,6 +268,16 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
             rollout_id, rollout_id + 1, sync.tensors, sync.buckets, sync.moved_bytes, sync.seconds,
         )  # fmt: skip
     return metrics
+
+
+def memory_step(run: Run) -> dict[str, float]:
+    """Peak memory of the step: this process, and the training ranks and engines where they
+    have processes of their own (the largest of each)."""
+    out = memory_metrics("driver", [step_peak_memory(run.policy.lm_head.weight.device)])
+    for role, per_process in (("train", run.trainer.peak_memory()), ("rollout", run.rollout.peak_memory())):
+        if per_process:
+            out.update(memory_metrics(role, per_process))
+    return out
 
 
 def check_training(cfg: RunConfig, metrics: dict[str, float], rollout_id: int) -> None:

@@ -140,6 +140,11 @@ class EngineActor:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def peak_memory(self) -> dict[str, int]:
+        from miles.runtime.memory import step_peak_memory
+
+        return step_peak_memory(self.device)
+
 
 class RolloutManager:
     """Spreads requests over `num_engines` engines; recovers from an actor's death. An engine is
@@ -280,6 +285,10 @@ class RolloutManager:
         stats = source.broadcast_weights(bucket_bytes)
         ray.get(receives)
         return stats
+
+    def peak_memory(self) -> list[dict[str, int]]:
+        """Each engine process's peak memory since the last call."""
+        return ray.get([a.peak_memory.remote() for a in self.actors])
 
     def node_ids(self) -> list[str]:
         """The Ray node of each engine actor."""

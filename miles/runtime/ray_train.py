@@ -156,6 +156,11 @@ class TrainerActor(GroupSender):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def peak_memory(self) -> dict[str, int]:
+        from miles.runtime.memory import step_peak_memory
+
+        return step_peak_memory(self.device)
+
     def offload(self) -> int:
         return self.actor.offload()
 
@@ -297,6 +302,10 @@ class RayTrainer:
     def node_ids(self) -> list[str]:
         """Rank 0's Ray node (the one that sends weights)."""
         return [ray.get(self.ranks[0].node_id.remote())]
+
+    def peak_memory(self) -> list[dict[str, int]]:
+        """Each rank's peak memory since the last call."""
+        return ray.get(self._submit(lambda: [r.peak_memory.remote() for r in self.ranks]))
 
     def weight_group_address(self) -> tuple[str, int]:
         return rendezvous(self._rank0_options)

@@ -155,6 +155,10 @@ class PolicyTrainer:
         """Ray nodes this trainer runs on beyond the driver's: none."""
         return []
 
+    def peak_memory(self) -> list[dict[str, int]]:
+        """None of its own: it shares the driver's process (`mem_driver_*`), and its GPU."""
+        return []
+
     def offload(self) -> int:
         """Move weights, gradients and optimizer state (and the reference model) to CPU while a
         colocated engine uses the GPU; bytes moved. Nothing to do when training runs on CPU."""

@@ -1,0 +1,46 @@
+"""Per-step peak memory of a process: host RSS (and CUDA allocated/reserved on a GPU).
+
+The OS keeps a process's peak resident set (VmHWM); Linux lets a process reset its own
+(/proc/self/clear_refs, "5"), so reading then resetting it once per step gives each step's own
+peak. Elsewhere the lifetime peak (`ru_maxrss`) is reported instead. Growth of this number across
+steps is the host-side leak the guide's `watch nvidia-smi` looks for on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import sys
+from pathlib import Path
+
+_STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _peak_rss() -> int:
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", _STATUS.read_text()).group(1)) * 1024
+    except (OSError, AttributeError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def step_peak_memory(device=None) -> dict[str, int]:
+    """This process's peak memory since the last call (bytes); then starts the next window."""
+    out = {"peak_rss": _peak_rss()}
+    try:
+        _CLEAR.write_text("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass  # not Linux, or not permitted: the lifetime peak stays
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device)
+        out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def memory_metrics(role: str, per_process: list[dict[str, int]]) -> dict[str, float]:
+    """`mem_<role>_<what>_gb`: the largest over the role's processes (ranks, engines)."""
+    keys = {k for p in per_process for k in p}
+    return {f"mem_{role}_{k}_gb": max(p.get(k, 0) for p in per_process) / 1e9 for k in sorted(keys)}
