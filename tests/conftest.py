@@ -17,7 +17,7 @@ from miles.train.batch import forward_logprobs, pack_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = ROOT / "miles" / "assets" / "default_train.yaml"
-TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}
+TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}  # and every mem_* (see comparable)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -90,7 +90,7 @@ def small_run_args(out: Path, num_rollout: int) -> list[str]:
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("mem_")} for r in records]
 
 
 def check_async_run(out: Path, flags: list[str], monkeypatch) -> list[dict]:

@@ -130,7 +130,7 @@ def test_training_rank_failure_stops_cleanly_and_resumes(ray_cluster, tmp_path):
     from miles.runtime import ray_train
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.conftest import TIMING, small_run_args
+    from tests.conftest import comparable, small_run_args
 
     args = small_run_args(tmp_path / "run", 4) + [
         "--actor-num-gpus-per-node",
@@ -159,10 +159,7 @@ def test_training_rank_failure_stops_cleanly_and_resumes(ray_cluster, tmp_path):
     train(load_config(args + ["--load", str(tmp_path / "ckpt")]))
     train(load_config(small_run_args(tmp_path / "ref", 4) + ["--actor-num-gpus-per-node", "2"]))
 
-    def strip(rs):
-        return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
-
-    got, ref = strip(read_metrics(tmp_path / "run")), strip(read_metrics(tmp_path / "ref"))
+    got, ref = comparable(read_metrics(tmp_path / "run")), comparable(read_metrics(tmp_path / "ref"))
     assert [r["rollout"] for r in got] == [-1, 0, 1, 2, 3]
     for a, b in zip(ref, got):
         for k in a:
