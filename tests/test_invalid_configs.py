@@ -75,6 +75,20 @@ CASES = [
     (["--colocate", "--async-weight-sync"], "--colocate with --async-weight-sync"),
     (["--save-debug-rollout-data", "{tmp}/r.pt"], "the pattern needs {rollout_id}"),
     (["--debug-train-only"], "--debug-train-only and --load-debug-rollout-data go together"),
+    (
+        ["--debug-train-only", "--load-debug-rollout-data", "r_{rollout_id}.pt", "--debug-rollout-only"],
+        "--debug-train-only and --debug-rollout-only exclude each other",
+    ),
+    (
+        [
+            "--debug-train-only",
+            "--load-debug-rollout-data",
+            "r_{rollout_id}.pt",
+            "--actor-num-gpus-per-node",
+            "2",
+        ],
+        "--debug-train-only runs in one process",
+    ),
 ]
 
 
