@@ -19,6 +19,13 @@ from miles.runtime.loop import train
 from miles.runtime.metrics import read_metrics
 from tests.conftest import ROOT, small_run_args
 
+
+def miles_train(args: list[str], timeout: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m miles.cli train ARGS` in its own process, as a user runs it."""
+    cmd = [sys.executable, "-m", "miles.cli", "train", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 # --- reward functions the tests point --custom-rm-path at (imported by the reward processes) ---
 
 
@@ -104,13 +111,7 @@ def test_nan_weights_stop_the_run_after_the_skipped_steps(tmp_path, monkeypatch,
 
 def test_cli_exit_status_is_not_zero_when_the_reward_fails(tmp_path):
     args = small_run_args(tmp_path / "run", 2) + ["--custom-rm-path", "tests.reward_fixtures:always_raises"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = miles_train(args, timeout=120)
     assert proc.returncode == 2
     assert "every reward of rollout 0 failed" in proc.stderr and "Traceback" in proc.stderr
 
@@ -125,13 +126,7 @@ def test_a_run_whose_reward_hangs_on_a_fifth_learns_and_exits(tmp_path):
         "--no-progress",
     ]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = miles_train(args, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(f"hung-reward run: {time.monotonic() - t0:.1f} s")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -222,10 +217,7 @@ def test_debug_logging_shows_config_sync_and_step_timing(tmp_path):
 
     args = small_run_args(tmp_path / "run", 1) + ["--eval-size", "0"]
     env = {**os.environ, "MILES_DEBUG": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "miles.cli", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    proc = miles_train(args, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for line in ("resolved configuration", "rollout.rollout_batch_size = 4", "weight sync: in-process buckets",
                  "rollout 0: weight sync v1:", "rollout 0: rollout", "train_rollout_logprob_abs_diff="):  # fmt: skip

@@ -9,6 +9,7 @@ safetensors + tokenizer) in the user cache, keyed by the file's SHA-256.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -32,6 +33,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "miles"
 
 
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """The file's SHA-256, read once per process for a given size and mtime (a run resolves
+    `--model` more than once: its context length, then the weights)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
 def gguf_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory holding the GGUF file's model, converted on first use and cached
     (the GGUF file itself when the cache cannot be written)."""
@@ -41,11 +53,8 @@ def gguf_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path}: no such file")
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            sha.update(chunk)
-    digest = sha.hexdigest()
+    stat = path.stat()
+    digest = _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     cached = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (cached / "config.json").exists() and (cached / SINGLE_FILE).exists():
         return cached

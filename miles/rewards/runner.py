@@ -59,7 +59,6 @@ class RewardRunner:
         self.rm_type = (
             rm_type if rm_type != "auto" else ("reasoning_gym" if task_dataset is not None else "exact")
         )
-        self.failures = 0
         self.failure_kinds: Counter[str] = Counter()
         self.first_failure: RewardFailure | None = None
 
@@ -108,7 +107,6 @@ class RewardRunner:
                 s.reward = reward
                 if isinstance(raw, dict):
                     s.metadata["reward_info"] = {k: v for k, v in raw.items() if k != "score"}
-        self.failures += failed
         return failed
 
     def _report(self, failure: RewardFailure) -> None:

@@ -111,8 +111,7 @@ class RewardWorkers:
                     worker.conn.send(args)
                 except (OSError, ValueError):  # died while idle: replace it and retry the call
                     pending.appendleft((index, args))
-                    fresh = self._replace(worker)
-                    starting[fresh.conn] = fresh
+                    self._replace(worker, starting)
                     continue
                 busy[worker.conn] = (worker, index, time.monotonic() + self.timeout)
             if not busy and not starting:
@@ -144,8 +143,7 @@ class RewardWorkers:
                     results[index] = RewardFailure(
                         "WorkerDied", f"the reward's process exited (exit code {code}) during the call"
                     )
-                    fresh = self._replace(worker)
-                    starting[fresh.conn] = fresh
+                    self._replace(worker, starting)
             now = time.monotonic()
             for conn, (worker, index, deadline) in list(busy.items()):
                 if deadline <= now:  # hung: kill it, the call fails, a fresh worker takes its place
@@ -154,8 +152,7 @@ class RewardWorkers:
                         "Timeout",
                         f"no result within --reward-timeout {self.timeout:g} s; its process was killed",
                     )
-                    fresh = self._replace(worker)
-                    starting[fresh.conn] = fresh
+                    self._replace(worker, starting)
             for worker in list(starting.values()):
                 if worker.started + STARTUP_TIMEOUT <= now:
                     raise RuntimeError(
@@ -164,12 +161,13 @@ class RewardWorkers:
                     )
         return results
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker, starting: dict[Connection, _Worker]) -> None:
+        """Kill `worker`; a fresh one takes its place and joins `starting` until it has imported."""
         worker.kill()
         fresh = _Worker(self.ctx, self.path)
         self.workers[self.workers.index(worker)] = fresh
+        starting[fresh.conn] = fresh
         self.replaced += 1
-        return fresh
 
     def close(self) -> None:
         for worker in self.workers:

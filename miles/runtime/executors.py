@@ -17,8 +17,7 @@ from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
 from miles.runtime.protocols import Rollout, Trainer
-from miles.sync.strategy import WeightSync, choose_transport, make_weight_sync
-from miles.sync.transports import shared_memory_available
+from miles.sync.strategy import WeightSync, weight_sync_for
 from miles.train.policy_trainer import PolicyTrainer
 
 log = logging.getLogger("miles")
@@ -39,34 +38,21 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
         sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,
         sync_cfg.rollout_num_gpus or 1,
     )
-    if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts
-        policy.to(resolve_device(cfg.model.device))
+    if ranks > 1 or devices > 1:
+        return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
+    policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device
+    if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts (one process only)
         replay = ReplayRollout(tokenizer)
         return Executor(PolicyTrainer(policy, cfg), replay, NoSync(replay))
-    if ranks == 1 and devices == 1:  # one process: trainer and engine share its device
-        policy.to(resolve_device(cfg.model.device))
-        engine = Engine(
-            copy.deepcopy(policy),
-            tokenizer,
-            rollout_cfg.rollout_max_batch_size,
-            max_seq_len=max_seq_len,
-            seed=rollout_cfg.rollout_seed,
-        )
-        trainer = PolicyTrainer(policy, cfg)
-        transport = choose_transport(
-            sync_cfg.sync_transport,
-            sync_cfg.use_zero_copy_sync,
-            False,
-            False,
-            sync_cfg.colocate,
-            1,
-            shared_memory_available(),
-        )
-        sync = make_weight_sync(
-            transport, trainer, engine, sync_cfg.sync_bucket_size, sync_cfg.check_weight_update_equal
-        )
-        return Executor(trainer, engine, sync)
-    return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
+    engine = Engine(
+        copy.deepcopy(policy),
+        tokenizer,
+        rollout_cfg.rollout_max_batch_size,
+        max_seq_len=max_seq_len,
+        seed=rollout_cfg.rollout_seed,
+    )
+    trainer = PolicyTrainer(policy, cfg)
+    return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))
 
 
 def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, devices: int) -> Executor:
@@ -102,22 +88,6 @@ def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, dev
     hosts = 1
     if sync_cfg.use_zero_copy_sync:  # handles open only on the host that made them
         hosts = len({ray.get_runtime_context().get_node_id(), *trainer.node_ids(), *manager.node_ids()})
-    transport = choose_transport(
-        sync_cfg.sync_transport,
-        sync_cfg.use_zero_copy_sync,
-        True,
-        placement.use_gpu,
-        sync_cfg.colocate,
-        hosts,
-        shared_memory_available(),
-    )
-    sync = make_weight_sync(
-        transport,
-        trainer,
-        manager,
-        sync_cfg.sync_bucket_size,
-        sync_cfg.check_weight_update_equal,
-        on_ray=True,
-    )
+    sync = weight_sync_for(sync_cfg, trainer, manager, on_ray=True, on_gpu=placement.use_gpu, hosts=hosts)
     manager.update_weights(hf_state_dict(policy).items(), version=0)  # the engines start from the policy
     return Executor(trainer, manager, sync)

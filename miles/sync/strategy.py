@@ -23,7 +23,14 @@ from typing import Protocol
 
 from miles.errors import MilesError
 from miles.sync.buckets import checksum
-from miles.sync.transports import BucketBuffer, SyncStats, handles, send_bucketed, send_shared
+from miles.sync.transports import (
+    BucketBuffer,
+    SyncStats,
+    handles,
+    send_bucketed,
+    send_shared,
+    shared_memory_available,
+)
 
 log = logging.getLogger("miles")
 
@@ -188,3 +195,16 @@ def make_weight_sync(
     else:
         sync = ObjectStore(trainer, rollout, bucket_bytes)
     return CheckedSync(sync, trainer, rollout) if check_equal else sync
+
+
+def weight_sync_for(
+    sync_cfg, trainer, rollout, on_ray: bool = False, on_gpu: bool = False, hosts: int = 1
+) -> WeightSync:
+    """The run's weight sync from its --sync-* settings and layout (`choose_transport`'s rule)."""
+    transport = choose_transport(
+        sync_cfg.sync_transport, sync_cfg.use_zero_copy_sync, on_ray, on_gpu, sync_cfg.colocate, hosts,
+        shared_memory_available(),
+    )  # fmt: skip
+    return make_weight_sync(
+        transport, trainer, rollout, sync_cfg.sync_bucket_size, sync_cfg.check_weight_update_equal, on_ray
+    )
