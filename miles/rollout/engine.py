@@ -84,6 +84,10 @@ class Engine:
         self._running: dict[int, _Running] = {}  # slot -> state
         self._lock = threading.Lock()  # guards the pending-update list
         self._step_lock = threading.RLock()  # held for a whole step: updates land between steps
+        # an update holds this while it waits for the step lock, and each step passes through it
+        # first: Python locks are not fair, so without it a decoding loop that takes the step lock
+        # straight back could hold an update off until its whole batch finished
+        self._turnstile = threading.RLock()
         self._pending_updates: list[tuple[list[tuple[str, torch.Tensor]], int | None, threading.Event]] = []
         self._abort = False
         self._defer_refill = self._needs_refill = False  # see paused()
@@ -143,7 +147,7 @@ class Engine:
         with self._lock:
             self._pending_updates.append((list(named_tensors), version, done))
         if wait:
-            with self._step_lock:  # waits for a running step to end; a later step would apply it too
+            with self._turnstile, self._step_lock:  # waits for the running step to end, not the batch
                 self._apply_updates()
             done.wait()
 
@@ -151,7 +155,7 @@ class Engine:
     def paused(self):
         """Hold decoding across a weight update sent in several parts (buckets): no step runs
         between the parts, and in-flight requests' keys/values are recomputed once, at the end."""
-        with self._step_lock:
+        with self._turnstile, self._step_lock:
             self._defer_refill = True
             try:
                 yield self
@@ -207,6 +211,8 @@ class Engine:
 
     def step(self) -> list[Sample]:
         """Admit, prefill, decode one token for each running request; return finished samples."""
+        with self._turnstile:
+            pass  # an update waiting for the step lock goes first
         with self._step_lock:
             if self.cache is None:  # released by release_memory()
                 self.cache = self.model.new_cache(self.slots, self.max_seq_len)
