@@ -136,6 +136,27 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    if args.env:
+        from miles.doctor.env import environment, format_env
+
+        report = environment(args.model)
+        print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
+        return 0
+    if args.run_dir is None:
+        raise MilesError("give a run directory (miles doctor RUN_DIR) or --env")
+    from miles.doctor import diagnose, load_run
+    from miles.doctor.report import format_json, format_text
+
+    run = load_run(args.run_dir)
+    compare = load_run(args.compare) if args.compare else None
+    findings = diagnose(run, compare)
+    print((format_json if args.json else format_text)(run, findings, compare))
+    return 1 if findings else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles",
@@ -234,6 +255,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     plot.set_defaults(func=cmd_plot)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check a run for known symptoms and say which flags fix them",
+        description="Read RUN_DIR (config.yaml, metrics.jsonl) and report each known symptom (loss explosion, "
+        "reward collapse, train/rollout mismatch, MoE routing mismatch and imbalance, slow weight sync, memory "
+        "growth, truncation; with --compare, an accuracy gap) with its evidence and the flags that fix it. Exit "
+        "status: 0 healthy, 1 symptoms found, 2 error. Thresholds: docs/troubleshooting.md.",
+    )
+    doctor.add_argument("run_dir", nargs="?", help="a run directory (--output-dir of miles train)")
+    doctor.add_argument(
+        "--compare", metavar="OTHER_RUN", help="a reference run (e.g. full precision) to compare against"
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    doctor.add_argument(
+        "--env",
+        action="store_true",
+        help="report the machine instead: torch/CUDA/NCCL, GPUs and peer access (CUDA IPC), /dev/shm, Ray, "
+        "low-precision environment variables",
+    )
+    doctor.add_argument(
+        "--model", help="with --env: also list the INT4 group sizes that divide this model's layers"
+    )
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -30,3 +30,12 @@ def exits(sample):
 
 def dies(sample):
     os._exit(7)
+
+
+LEAKED: list[bytearray] = []
+
+
+def leaky_filter(group) -> bool:
+    """A --dynamic-sampling-filter-path that keeps every group and 16 MB per call (a leak)."""
+    LEAKED.append(bytearray(b"\x01") * (16 * 1024**2))
+    return True

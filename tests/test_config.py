@@ -72,6 +72,17 @@ def test_every_guide_flag_is_listed_in_help():
         (["--tis-threshold", "1.5"], "--tis-threshold must be in (0, 1]"),
         (["--fp8-format", "e4m3"], "--fp8-format is not available yet"),
         (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
+        (["--fp8-recipe", "blockwise"], "add --fp8-rollout-only"),
+        (
+            ["--fp8-rollout-only", "--fp8-recipe", "delayed"],
+            "--fp8-recipe delayed (an amax history) is not built yet",
+        ),
+        (["--fp8-skip-layers", "lm_head"], "--fp8-skip-layers has no effect without FP8"),
+        (["--fp8-rollout-only", "--check-weight-update-equal"], "rounds the engine's on purpose"),
+        (
+            ["--fp8-rollout-only", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
+            "--fp8-rollout-only with --rollout-num-gpus-per-engine > 1",
+        ),
         (["--async-weight-sync", "--max-staleness", "0"], "--max-staleness must be >= 1"),
         (["--offload-experts"], "--offload-experts is not available yet"),
         (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),

@@ -23,7 +23,6 @@ from miles.errors import ConfigError
 ENV_NOT_YET = {
     "OPEN_TRAINING_INT4_FAKE_QAT_FLAG": "INT4 fake-quant QAT is not built yet (planned: miles.quant)",
     "OPEN_TRAINING_INT4_GROUP_SIZE": "INT4 fake-quant QAT is not built yet (planned: miles.quant)",
-    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "FP8 block scaling is not built yet (planned: miles.quant)",
 }
 
 
@@ -289,6 +288,37 @@ def validate(given: RunConfig) -> RunConfig:
         )
     if algo.tis_clip_low > algo.tis_clip:
         raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
+    precision = cfg.precision
+    if precision.fp8_recipe == "delayed":
+        raise ConfigError(
+            "--fp8-recipe delayed (an amax history) is not built yet; use blockwise or tensorwise"
+        )
+    if precision.fp8_recipe and not precision.fp8_rollout_only:
+        raise ConfigError(
+            f"--fp8-recipe {precision.fp8_recipe} alone asks for FP8 training, which is not built yet; add "
+            "--fp8-rollout-only for an FP8 rollout engine with a full-precision trainer"
+        )
+    if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "").strip() == "1":
+        precision.fp8_fp32_scales = True
+    if precision.fp8_rollout_only:
+        precision.fp8_recipe = precision.fp8_recipe or "blockwise"
+        if cfg.sync.rollout_num_gpus_per_engine > 1:
+            raise ConfigError(
+                "--fp8-rollout-only with --rollout-num-gpus-per-engine > 1: FP8 blocks of a tensor-parallel "
+                "shard are not built yet; use one device per engine"
+            )
+        if cfg.sync.check_weight_update_equal:
+            raise ConfigError(
+                "--check-weight-update-equal compares engine and trainer weights bit for bit, but "
+                "--fp8-rollout-only rounds the engine's on purpose; use one or the other"
+            )
+    elif precision.fp8_skip_layers or precision.fp8_fp32_scales:
+        flag = (
+            "--fp8-skip-layers"
+            if precision.fp8_skip_layers
+            else "--fp8-fp32-scales (or NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1)"
+        )
+        raise ConfigError(f"{flag} has no effect without FP8; add --fp8-rollout-only or remove it")
     if train.min_lr > train.lr:
         raise ConfigError(f"--min-lr {train.min_lr} is above --lr {train.lr}")
     ckpt, logging_cfg = cfg.checkpoint, cfg.logging

@@ -295,10 +295,29 @@ class PrecisionSection:
     """Low precision (FP8 / INT4)."""
 
     fp8_format: str | None = option(None, "e4m3 | hybrid", available=NOT_YET_FP8)
-    fp8_recipe: str | None = option(None, "blockwise | tensorwise | delayed", available=NOT_YET_FP8)
+    fp8_recipe: str | None = option(
+        None,
+        "FP8 scaling: blockwise (one scale per 128x128 weight block) | tensorwise (one per tensor) | delayed "
+        "(not built yet). Scales are powers of two unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1. Today only with "
+        "--fp8-rollout-only",
+        choices=("blockwise", "tensorwise", "delayed"),
+    )
+    fp8_rollout_only: bool = option(
+        False,
+        "the rollout engine computes with FP8-rounded weights (--fp8-recipe, default blockwise) while the trainer "
+        "stays in full precision: the low-precision-inference train/rollout mismatch, to measure it and its "
+        "remedies (--use-tis, --use-r3)",
+    )
     fp8_dynamic_scaling: bool = option(False, "current (dynamic) FP8 scaling", available=NOT_YET_FP8)
+    fp8_fp32_scales: bool = option(
+        False,
+        "FP8 scales in FP32 instead of powers of two; NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 sets it (read once in "
+        "the driver, carried to every Ray worker in the configuration)",
+    )
     fp8_skip_layers: str | None = option(
-        None, "comma-separated layer patterns kept in high precision", available=NOT_YET_FP8
+        None,
+        'comma-separated name patterns kept in full precision, e.g. "lm_head,embed" (embeddings, lm_head, '
+        "norms and the MoE router always are); a pattern matching no layer is an error",
     )
     int4_group_size: int | None = option(
         None, "INT4 group size (must divide the hidden size)", available=NOT_YET_INT4, bounds="[1, inf)"

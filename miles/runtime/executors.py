@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from miles.config.schema import RunConfig
 from miles.models.checkpoint import hf_state_dict
+from miles.quant.rollout import prepare_rollout_model
 from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
@@ -45,7 +46,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
         replay = ReplayRollout(tokenizer)
         return Executor(PolicyTrainer(policy, cfg), replay, NoSync(replay))
     engine = Engine(
-        copy.deepcopy(policy),
+        prepare_rollout_model(copy.deepcopy(policy), cfg.precision),
         tokenizer,
         rollout_cfg.rollout_max_batch_size,
         max_seq_len=max_seq_len,
@@ -80,6 +81,7 @@ def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, dev
         actor_options=[placement.options(b) for b in layout.rollout_bundles],
         tp_size=tp,
         device=cfg.model.device,
+        precision=cfg.precision,
     )
     # training runs in actors even for one rank: each gets its own device from its bundle (a
     # driver on "cuda:0" could share a GPU with an engine, and NCCL refuses two ranks on one GPU)

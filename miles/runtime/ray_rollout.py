@@ -55,6 +55,7 @@ class EngineActor:
         threads: int = 1,
         tp: tuple[int, int, str, int] | None = None,
         device: str = "cpu",
+        precision=None,
     ) -> None:
         """`tp` = (rank, size, addr, port): this actor is one rank of a tensor-parallel engine.
         `device`: --device (cuda: the GPU Ray gave this actor)."""
@@ -77,6 +78,10 @@ class EngineActor:
         # a tensor-parallel rank reads only its own part of the checkpoint
         policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
+        if precision is not None:  # the run's PrecisionSection, as the driver resolved it
+            from miles.quant.rollout import prepare_rollout_model
+
+            policy = prepare_rollout_model(policy, precision)
         self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
 
@@ -161,13 +166,14 @@ class RolloutManager:
         actor_options: list[dict] | None = None,
         tp_size: int = 1,
         device: str = "cpu",
+        precision=None,
     ) -> None:
-        """`actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
+        """`precision`: the run's PrecisionSection, for every engine. `actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
         engine j is actors j*tp_size .. (j+1)*tp_size - 1."""
 
         self._options = actor_options or [{}] * (num_engines * tp_size)
         self._engine_args = (model, max_batch_size, max_seq_len, seed)
-        self.tp_size, self.device = tp_size, device
+        self.tp_size, self.device, self.precision = tp_size, device, precision
         self.engines: list[list] = [self._start_engine(j) for j in range(num_engines)]
         self.actors = [a for g in self.engines for a in g]
         from miles.models.registry import tokenizer_for
@@ -192,7 +198,7 @@ class RolloutManager:
         if self.tp_size == 1:  # two threads: a weight update lands mid-rollout, between decoding steps
             return [
                 EngineActor.options(**members[0], max_concurrency=2).remote(
-                    *self._engine_args, device=self.device
+                    *self._engine_args, device=self.device, precision=self.precision
                 )
             ]
         addr, port = rendezvous(members[0])
@@ -200,7 +206,10 @@ class RolloutManager:
         # a restarted rank could not rejoin its process group: the manager restarts them all
         return [
             EngineActor.options(**opts, max_restarts=0).remote(
-                *self._engine_args, tp=(r, self.tp_size, addr, port), device=self.device
+                *self._engine_args,
+                tp=(r, self.tp_size, addr, port),
+                device=self.device,
+                precision=self.precision,
             )
             for r, opts in enumerate(members)
         ]

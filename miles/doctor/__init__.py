@@ -1,0 +1,6 @@
+"""`miles doctor`: the troubleshooting guide as checks on a run's own numbers (see checks.py)."""
+
+from miles.doctor.checks import CHECKS, Evidence, Finding, Remedy, check, diagnose
+from miles.doctor.run import RunRecord, load_run
+
+__all__ = ["CHECKS", "Evidence", "Finding", "Remedy", "RunRecord", "check", "diagnose", "load_run"]

@@ -1,0 +1,488 @@
+"""The doctor's checks: one small function per known symptom, registered in one table.
+
+A check reads a run (and optionally a run to compare against) and returns a `Finding` when the
+symptom is there: the evidence (metric, step, value, threshold), the likely cause, and remedies as
+flags of `miles train` chosen by what the run already uses. A feature adds its own check with
+`@check(...)`. Thresholds live in THRESHOLDS and are documented in docs/troubleshooting.md.
+Some symptoms follow from others (a NaN run's reward collapses too): `explained_by` folds such a
+finding under its cause instead of listing it as a second problem.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from miles.doctor.run import RunRecord
+
+THRESHOLDS = {
+    "grad_spike_ratio": 10.0,  # grad_norm above this multiple of the median of the steps before it
+    "collapse_fraction": 0.5,  # reward fell below half of its best (smoothed)
+    "collapse_min_best": 0.1,  # ... from a best of at least this (a run that never learned cannot collapse)
+    "mismatch_k3": 2e-4,  # median K3 KL(rollout || train) per token: twice a bf16 engine (~1.2e-4); FP8 ~0.06
+    "mismatch_abs": 0.1,  # median mean |logp_train - logp_rollout| (slime's bound)
+    "tis_clipfrac": 0.05,  # median fraction of tokens TIS truncates or masks
+    "routing_mismatch": 0.005,  # median fraction of MoE top-k decisions that differ train vs rollout
+    "expert_load": 3.0,  # median max/mean tokens per expert (top-k of E caps it at E/k)
+    "sync_share": 0.25,  # median weight-sync seconds / step seconds
+    "memory_growth_gb": 0.2,  # per-step peak memory growth over the run, in GB ...
+    "memory_growth_frac": 0.1,  # ... and as a fraction of where it started
+    "truncated_frac": 0.25,  # median fraction of responses cut at --rollout-max-response-len
+    "accuracy_gap": 0.05,  # final held-out accuracy below the --compare run's by this much
+}
+
+
+@dataclass
+class Evidence:
+    metric: str
+    value: float
+    step: int | None = None
+    threshold: float | None = None
+    note: str = ""
+
+    def __str__(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        limit = f" (threshold {self.threshold:g})" if self.threshold is not None else ""
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.metric} = {self.value:.4g}{where}{limit}{note}"
+
+
+@dataclass
+class Remedy:
+    flags: list[str]  # to add to `miles train` (empty: advice that is not a flag)
+    why: str
+
+
+@dataclass
+class Finding:
+    check: str
+    symptom: str
+    cause: str
+    evidence: list[Evidence]
+    remedies: list[Remedy]
+    explains: list[Finding] = field(default_factory=list)  # symptoms that follow from this one
+
+
+@dataclass
+class Check:
+    name: str
+    symptom: str
+    run: Callable[[RunRecord, RunRecord | None], Finding | None]
+    explained_by: tuple[str, ...] = ()
+
+
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str, symptom: str, explained_by: tuple[str, ...] = ()):
+    """Register `fn(run, compare) -> (cause, evidence, remedies) | None` as the check `name`."""
+
+    def register(fn):
+        def run(record: RunRecord, compare: RunRecord | None) -> Finding | None:
+            found = fn(record, compare)
+            return Finding(name, symptom, *found) if found else None
+
+        CHECKS[name] = Check(name, symptom, run, explained_by)
+        return fn
+
+    return register
+
+
+def diagnose(run: RunRecord, compare: RunRecord | None = None) -> list[Finding]:
+    """Every registered check on `run`; findings explained by another are folded under it."""
+    found = {name: f for name, c in CHECKS.items() if (f := c.run(run, compare)) is not None}
+    top = []
+    for name, finding in found.items():
+        cause = next((c for c in CHECKS[name].explained_by if c in found), None)
+        (found[cause].explains if cause else top).append(finding)
+    return top
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _worst(run: RunRecord, key: str) -> tuple[int, float]:
+    finite = [(s, v) for s, v in run.series(key) if math.isfinite(v)]
+    return max(finite, key=lambda sv: sv[1])
+
+
+def _is_moe(run: RunRecord) -> bool:
+    return bool(run.series("routing_mismatch_frac") or run.series("expert_load_max_over_mean"))
+
+
+def _smoothed(values: list[float], k: int) -> list[float]:
+    return [sum(values[i : i + k]) / k for i in range(len(values) - k + 1)]
+
+
+# ---- training stability ------------------------------------------------------------------------
+
+
+@check("loss_explosion", "the loss or gradient exploded (NaN/inf, skipped steps or a gradient-norm spike)")
+def loss_explosion(run: RunRecord, compare: RunRecord | None):
+    evidence = []
+    bad = [
+        (r["rollout"], k, float(r[k]))
+        for r in run.steps
+        for k in ("loss", "grad_norm")
+        if isinstance(r.get(k), (int, float)) and not math.isfinite(r[k])
+    ]
+    skipped = [(s, v) for s, v in run.series("skipped_step") if v > 0]
+    if bad:
+        step, key, value = bad[0]
+        evidence.append(Evidence(key, value, step, note=f"{len({s for s, *_ in bad})} steps not finite"))
+    if skipped:
+        evidence.append(
+            Evidence(
+                "skipped_step", skipped[0][1], skipped[0][0], note=f"{len(skipped)} steps skipped updates"
+            )
+        )
+    norms = run.series("grad_norm")
+    ratio = THRESHOLDS["grad_spike_ratio"]
+    for i, (step, value) in enumerate(norms):
+        before = sorted(v for _, v in norms[:i] if math.isfinite(v) and v > 0)
+        if len(before) >= 3 and math.isfinite(value) and value > ratio * before[len(before) // 2]:
+            evidence.append(
+                Evidence(
+                    "grad_norm",
+                    value,
+                    step,
+                    note=f"{value / before[len(before) // 2]:.1f}x the median before it",
+                )
+            )
+            break
+    if not evidence:
+        return None
+    lr, clip = run.setting("train.lr", 1e-6), run.setting("train.clip_grad", 1.0)
+    remedies = [Remedy(["--lr", f"{lr / 10:g}"], f"a tenth of this run's --lr {lr:g}: smaller updates")]
+    if not clip:
+        remedies.append(Remedy(["--clip-grad", "1.0"], "gradient clipping is off in this run"))
+    if run.setting("train.num_steps_per_rollout", 1) > 1 and run.setting("algo.eps_clip_c") is None:
+        remedies.append(
+            Remedy(
+                ["--eps-clip-c", "3"],
+                "dual clip: bounds the loss of negative advantages whose ratio runs away",
+            )
+        )
+    if not run.setting("train.warmup_steps", 0):
+        remedies.append(Remedy(["--warmup-steps", "10"], "warm the learning rate up over the first steps"))
+    return (
+        "updates too large for the model: learning rate, no clipping or an unbounded PPO ratio",
+        evidence,
+        remedies,
+    )
+
+
+@check(
+    "reward_collapse",
+    f"the reward fell from its best by more than {THRESHOLDS['collapse_fraction']:.0%} and stayed there",
+    explained_by=("loss_explosion",),
+)
+def reward_collapse(run: RunRecord, compare: RunRecord | None):
+    rewards = [v for v in run.values("reward_mean") if math.isfinite(v)]
+    k = max(2, len(rewards) // 5)  # smooth over a fifth of the run: one bad batch is not a collapse
+    if len(rewards) < 2 * k:
+        return None
+    best = max(_smoothed(rewards, k))
+    floor = best * (1 - THRESHOLDS["collapse_fraction"])
+    last = rewards[-k:]
+    if best < THRESHOLDS["collapse_min_best"] or max(last) >= floor:
+        return None
+    steps = [s for s, _ in run.series("reward_mean")]
+    evidence = [
+        Evidence(
+            "reward_mean",
+            sum(last) / k,
+            steps[-1],
+            floor,
+            note=f"mean of the last {k} steps; best {best:.3f}",
+        )
+    ]
+    lr = run.setting("train.lr", 1e-6)
+    remedies = [
+        Remedy(["--lr", f"{lr / 10:g}"], f"a tenth of this run's --lr {lr:g}: the policy moved too far")
+    ]
+    if not run.setting("algo.use_kl_loss"):
+        remedies.append(
+            Remedy(
+                ["--use-kl-loss", "--kl-loss-coef", "0.01"], "a KL loss keeps the policy near the reference"
+            )
+        )
+    if _is_moe(run) and not run.setting("algo.use_r3"):
+        remedies.append(Remedy(["--use-r3"], "MoE: replay the rollout's routing in training"))
+    return (
+        "the policy left the region where it earned reward (too large steps, or off-policy updates)",
+        evidence,
+        remedies,
+    )
+
+
+@check(
+    "truncation",
+    f"more than {THRESHOLDS['truncated_frac']:.0%} of responses hit --rollout-max-response-len",
+    explained_by=("loss_explosion", "reward_collapse"),
+)
+def truncation(run: RunRecord, compare: RunRecord | None):
+    median = run.median("truncated_frac")
+    if median is None or median <= THRESHOLDS["truncated_frac"]:
+        return None
+    length = run.setting("rollout.rollout_max_response_len", 64)
+    evidence = [
+        Evidence("truncated_frac", median, None, THRESHOLDS["truncated_frac"], note="median over steps")
+    ]
+    remedies = [
+        Remedy(
+            ["--rollout-max-response-len", str(length * 2)], f"twice this run's {length}: cut answers score 0"
+        )
+    ]
+    return "responses are longer than the run lets them be", evidence, remedies
+
+
+# ---- train / rollout mismatch ------------------------------------------------------------------
+
+
+def _mismatch_remedies(run: RunRecord) -> list[Remedy]:
+    remedies = []
+    if not run.setting("algo.use_tis"):
+        remedies.append(
+            Remedy(["--use-tis"], "truncated importance sampling reweights tokens by pi_train/pi_rollout")
+        )
+    if _is_moe(run) and not run.setting("algo.use_r3"):
+        remedies.append(
+            Remedy(["--use-r3"], "MoE: train with the experts the rollout chose (routing replay)")
+        )
+    if run.setting("precision.fp8_rollout_only"):
+        remedies.append(
+            Remedy(
+                [],
+                "remove --fp8-rollout-only: a trainer and an engine in the same precision compute the same numbers",
+            )
+        )
+    if not run.setting("algo.verify_logprobs"):
+        remedies.append(
+            Remedy(["--verify-logprobs"], "stop the run when the mean gap passes --verify-logprobs-threshold")
+        )
+    return remedies
+
+
+@check("logprob_mismatch", "the trainer's log-probs differ from the rollout engine's, uncorrected")
+def logprob_mismatch(run: RunRecord, compare: RunRecord | None):
+    k3, gap = run.median("kl_rollout_train_k3"), run.median("train_rollout_logprob_abs_diff")
+    if k3 is None or gap is None or run.setting("algo.use_tis"):
+        return None  # with TIS on, tis_clipping judges whether the correction copes
+    if k3 <= THRESHOLDS["mismatch_k3"] and gap <= THRESHOLDS["mismatch_abs"]:
+        return None
+    step, worst = _worst(run, "kl_rollout_train_k3")
+    evidence = [
+        Evidence(
+            "kl_rollout_train_k3",
+            k3,
+            None,
+            THRESHOLDS["mismatch_k3"],
+            note=f"median; worst {worst:.3g} at step {step}",
+        ),
+        Evidence("train_rollout_logprob_abs_diff", gap, None, THRESHOLDS["mismatch_abs"], note="median"),
+    ]
+    why = "the engine computes different numbers (precision, kernels"
+    why += ", experts)" if _is_moe(run) else ")"
+    return (
+        f"samples come from pi_rollout but the loss assumes pi_train: {why}",
+        evidence,
+        _mismatch_remedies(run),
+    )
+
+
+@check("tis_clipping", f"TIS truncates or masks more than {THRESHOLDS['tis_clipfrac']:.0%} of tokens")
+def tis_clipping(run: RunRecord, compare: RunRecord | None):
+    frac = run.median("tis_clipfrac")
+    if frac is None or not run.setting("algo.use_tis") or frac <= THRESHOLDS["tis_clipfrac"]:
+        return None
+    evidence = [Evidence("tis_clipfrac", frac, None, THRESHOLDS["tis_clipfrac"], note="median over steps")]
+    return (
+        "the train/rollout mismatch is too large for TIS to correct without bias",
+        evidence,
+        _mismatch_remedies(run),
+    )
+
+
+@check("routing_mismatch", "MoE: the trainer picks other experts than the rollout engine did, and R3 is off")
+def routing_mismatch(run: RunRecord, compare: RunRecord | None):
+    frac = run.median("routing_mismatch_frac")
+    if frac is None or run.setting("algo.use_r3") or frac <= THRESHOLDS["routing_mismatch"]:
+        return None
+    step, worst = _worst(run, "routing_mismatch_frac")
+    evidence = [
+        Evidence(
+            "routing_mismatch_frac",
+            frac,
+            None,
+            THRESHOLDS["routing_mismatch"],
+            note=f"median; worst {worst:.3g} at step {step}",
+        )
+    ]
+    tokens = run.median("routing_mismatch_token_frac")
+    if tokens is not None:
+        evidence.append(
+            Evidence("routing_mismatch_token_frac", tokens, note="tokens with any layer routed differently")
+        )
+    remedies = [Remedy(["--use-r3"], "Rollout Routing Replay: training uses the experts the engine chose")]
+    return "near-tied router scores flip under small numeric differences", evidence, remedies
+
+
+# ---- MoE, systems ------------------------------------------------------------------------------
+
+
+@check("expert_imbalance", "MoE: a few experts take most tokens")
+def expert_imbalance(run: RunRecord, compare: RunRecord | None):
+    load = run.median("expert_load_max_over_mean")
+    if load is None or load <= THRESHOLDS["expert_load"]:
+        return None
+    evidence = [
+        Evidence("expert_load_max_over_mean", load, None, THRESHOLDS["expert_load"], note="median over steps")
+    ]
+    coef = run.setting("train.aux_loss_coef", 0.0)
+    new = 0.01 if not coef else coef * 10
+    remedies = [
+        Remedy(["--aux-loss-coef", f"{new:g}"], "the load-balancing loss pushes tokens to idle experts")
+    ]
+    return (
+        "the router collapsed onto a few experts; the others get no tokens and no gradient",
+        evidence,
+        remedies,
+    )
+
+
+@check("weight_sync_share", f"weight sync takes more than {THRESHOLDS['sync_share']:.0%} of the step")
+def weight_sync_share(run: RunRecord, compare: RunRecord | None):
+    shares = [
+        r["sync_seconds"] / r["step_time"]
+        for r in run.steps
+        if r.get("sync_seconds") is not None and r.get("step_time")
+    ]
+    if not shares:
+        return None
+    share = sorted(shares)[len(shares) // 2]
+    if share <= THRESHOLDS["sync_share"]:
+        return None
+    evidence = [
+        Evidence(
+            "sync_seconds / step_time",
+            share,
+            None,
+            THRESHOLDS["sync_share"],
+            note=f"median; sync {run.median('sync_seconds'):.3g} s",
+        )
+    ]
+    remedies = []
+    bucket = run.setting("sync.sync_bucket_size", 512 * 1024**2)
+    if bucket < 64 * 1024**2:
+        remedies.append(
+            Remedy(["--sync-bucket-size", str(512 * 1024**2)], f"{bucket} B buckets: fewer, larger copies")
+        )
+    on_ray = (run.setting("sync.rollout_num_gpus") or 1) > 1 or run.setting(
+        "sync.actor_num_gpus_per_node", 1
+    ) > 1
+    if on_ray and not run.setting("sync.use_zero_copy_sync"):
+        remedies.append(Remedy(["--use-zero-copy-sync"], "engines on the trainer's host map its weights"))
+    if on_ray and not run.setting("sync.colocate"):
+        remedies.append(
+            Remedy(["--colocate"], "engines share the trainer's devices: sync without the network")
+        )
+    if not run.setting("sync.async_weight_sync"):
+        remedies.append(Remedy(["--async-weight-sync"], "the sync of step N lands during rollout N+1"))
+    return "moving the weights to the engines costs as much as the work", evidence, remedies
+
+
+@check("memory_growth", "per-step peak memory keeps growing")
+def memory_growth(run: RunRecord, compare: RunRecord | None):
+    keys = sorted({k for r in run.steps for k in r if k.startswith("mem_") and k.endswith("_gb")})
+    for key in keys:
+        values = [v for v in run.values(key) if math.isfinite(v)][1:]  # step 0 warms up
+        if len(values) < 4:
+            continue
+        half = len(values) // 2
+        start, end = min(values[:2]), min(values[-2:])
+        growth = end - start
+        rising = sum(values[half:]) / (len(values) - half) > sum(values[:half]) / half
+        if (
+            rising
+            and growth > THRESHOLDS["memory_growth_gb"]
+            and growth > THRESHOLDS["memory_growth_frac"] * start
+        ):
+            evidence = [
+                Evidence(
+                    key,
+                    end,
+                    run.series(key)[-1][0],
+                    note=f"from {start:.3g} GB after warm-up: +{growth:.3g} GB",
+                )
+            ]
+            remedies = [
+                Remedy(
+                    ["--debug-rollout-only"],
+                    "rollouts only: growth that remains is on the rollout side (engine, rewards, filters, data)",
+                ),
+                Remedy(
+                    [],
+                    "code plugged in (--custom-rm-path, --dynamic-sampling-filter-path) that keeps references across steps",
+                ),
+            ]
+            return "something keeps memory from step to step (a leak)", evidence, remedies
+    return None
+
+
+# ---- against another run -----------------------------------------------------------------------
+
+IGNORED_SETTINGS = {
+    "output_dir",
+    "save",
+    "load",
+    "resume_if_present",
+    "progress",
+    "log_level",
+    "use_wandb",
+    "use_tensorboard",
+}
+
+
+def _final_accuracy(run: RunRecord) -> float | None:
+    evals = [v for _, v in run.evals()]
+    return sum(evals[-2:]) / len(evals[-2:]) if evals else None
+
+
+def _as_flag(key: str, value) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag] if value else ["--no-" + key.replace("_", "-")]
+    return [flag, str(value)]
+
+
+@check("accuracy_gap", "held-out accuracy trails the --compare run")
+def accuracy_gap(run: RunRecord, compare: RunRecord | None):
+    if compare is None:
+        return None
+    mine, theirs = _final_accuracy(run), _final_accuracy(compare)
+    if mine is None or theirs is None or theirs - mine <= THRESHOLDS["accuracy_gap"]:
+        return None
+    evidence = [
+        Evidence("eval_accuracy", mine, note="mean of the last two evaluations"),
+        Evidence(
+            "eval_accuracy (--compare)", theirs, threshold=THRESHOLDS["accuracy_gap"], note=str(compare.path)
+        ),
+    ]
+    remedies = []
+    for section, values in compare.config.items():
+        for key, value in (values or {}).items():
+            if key in IGNORED_SETTINGS or run.setting(f"{section}.{key}") == value or value is None:
+                continue
+            if isinstance(value, (dict, list)):
+                continue
+            remedies.append(
+                Remedy(
+                    _as_flag(key, value),
+                    f"the --compare run's {key} (this run: {run.setting(f'{section}.{key}')})",
+                )
+            )
+    if run.setting("precision.fp8_rollout_only") and not run.setting("algo.use_tis"):
+        remedies.append(Remedy(["--use-tis"], "correct the FP8 rollout's mismatch"))
+    return "the runs differ in the settings below; each is a candidate", evidence, remedies

@@ -1,0 +1,105 @@
+"""`miles doctor --env`: what the machine offers the guide's remedies (versions, GPUs and peer
+access for CUDA IPC, shared memory for zero-copy on CPU, Ray, low-precision variables, and the
+INT4 group sizes a model admits)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+PRECISION_VARS = (
+    "NVTE_FP8_BLOCK_SCALING_FP32_SCALES",
+    "OPEN_TRAINING_INT4_FAKE_QAT_FLAG",
+    "OPEN_TRAINING_INT4_GROUP_SIZE",
+    "MILES_DEBUG",
+)
+
+
+def _gpus() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": False}
+    n = torch.cuda.device_count()
+    peers = {
+        f"{i}->{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j
+    }
+    return {
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+        "devices": [torch.cuda.get_device_name(i) for i in range(n)],
+        "peer_access": peers,  # CUDA IPC between these GPUs (the guide's `nvidia-smi topo -m`)
+    }
+
+
+def _shared_memory() -> dict:
+    shm = Path("/dev/shm")
+    if not shm.exists():
+        return {"dev_shm": None}
+    usage = shutil.disk_usage(shm)
+    return {"dev_shm_total_gb": usage.total / 1e9, "dev_shm_free_gb": usage.free / 1e9}
+
+
+def _ray() -> dict:
+    try:
+        import ray
+    except ImportError:
+        return {"ray": None}
+    info: dict = {"ray": ray.__version__}
+    if ray.is_initialized():
+        info["cluster_resources"] = ray.cluster_resources()
+    elif os.environ.get("RAY_ADDRESS"):
+        try:
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+            info["cluster_resources"] = ray.cluster_resources()
+            ray.shutdown()
+        except Exception as e:  # noqa: BLE001 - report, do not fail the report
+            info["cluster_error"] = f"{type(e).__name__}: {e}"
+    else:
+        info["cluster_resources"] = "no cluster reachable (RAY_ADDRESS unset); miles train starts a local one"
+    return info
+
+
+def int4_group_sizes(model: str) -> dict:
+    """Group sizes (powers of two, 32..1024) that divide every linear layer's input size."""
+    from miles.models import registry
+
+    policy, _ = registry.load(model)
+    import torch.nn as nn
+
+    widths = sorted({m.in_features for m in policy.modules() if isinstance(m, nn.Linear)})
+    sizes = [g for g in (32, 64, 128, 256, 512, 1024) if all(w % g == 0 for w in widths)]
+    return {"model": model, "linear_input_sizes": widths, "int4_group_sizes": sizes}
+
+
+def environment(model: str | None = None) -> dict:
+    import platform
+
+    import torch
+
+    report = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "gpu": _gpus(),
+        "shared_memory": _shared_memory(),
+        "ray": _ray(),
+        # Ray workers started by miles inherit the driver's environment; miles also resolves
+        # NVTE_FP8_BLOCK_SCALING_FP32_SCALES into the run's config, which every worker receives
+        "precision_env": {v: os.environ.get(v) for v in PRECISION_VARS},
+    }
+    if model:
+        report["model"] = int4_group_sizes(model)
+    return report
+
+
+def format_env(report: dict, indent: int = 0) -> str:
+    lines = []
+    for key, value in report.items():
+        if isinstance(value, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(format_env(value, indent + 2))
+        else:
+            lines.append(" " * indent + f"{key}: {value}")
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""`miles doctor`: each check named on a real short run whose setting was broken on purpose (and
+only that check), the remedy flags it lists accepted by `miles train`, healthy runs healthy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles.config import load_config
+from miles.doctor import diagnose, load_run
+from miles.doctor.checks import THRESHOLDS
+from miles.errors import MilesError
+from tests.conftest import DEFAULT_YAML
+
+BASE = [
+    "--config", str(DEFAULT_YAML), "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+    "--eval-size", "16", "--eval-interval", "0", "--micro-batch-size", "32", "--no-progress",
+]  # fmt: skip
+
+
+def run_job(root: Path, name: str, *flags: str, steps: int = 5) -> Path:
+    """A short default-job run with `flags`; a run that stops itself (NaN steps) still leaves
+    its metrics, which is what the doctor reads."""
+    from miles.runtime.loop import train
+
+    out = root / name
+    try:
+        train(load_config([*BASE, "--num-rollout", str(steps), "--output-dir", str(out), *flags]))
+    except MilesError:
+        pass
+    return out
+
+
+def symptoms(run_dir: Path, compare: Path | None = None) -> tuple[set[str], list]:
+    findings = diagnose(load_run(run_dir), load_run(compare) if compare else None)
+    return {f.check for f in findings}, findings
+
+
+def assert_remedies_accepted(run_dir: Path, findings) -> None:
+    """Every flag a finding lists loads on top of the run's own configuration."""
+    for finding in findings:
+        for remedy in finding.remedies:
+            if remedy.flags:
+                load_config(["--config", str(run_dir / "config.yaml"), *remedy.flags])
+
+
+def remedy_flags(findings) -> list[list[str]]:
+    return [r.flags for f in findings for r in f.remedies]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("doctor")
+
+
+@pytest.fixture(scope="module")
+def healthy(runs) -> Path:
+    return run_job(runs, "healthy")
+
+
+def test_default_job_run_is_healthy(healthy, capsys):
+    from miles.cli import main
+
+    assert symptoms(healthy)[0] == set()
+    assert main(["doctor", str(healthy)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("healthy") and len(out) == 2
+
+
+def test_nan_steps_are_named_with_their_consequences(runs, capsys):
+    from miles.cli import main
+
+    bad = run_job(runs, "nan", "--lr", "1", "--num-steps-per-rollout", "4", "--clip-grad", "0")
+    names, findings = symptoms(bad)
+    assert names == {"loss_explosion"}
+    assert {"reward_collapse"} <= {f.check for f in findings[0].explains}  # folded under the cause
+    flags = remedy_flags(findings)
+    assert ["--lr", "0.1"] in flags and ["--clip-grad", "1.0"] in flags and ["--eps-clip-c", "3"] in flags
+    assert_remedies_accepted(bad, findings)
+    assert main(["doctor", str(bad), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["healthy"] and report["findings"][0]["check"] == "loss_explosion"
+
+
+def test_reward_collapse_and_its_remedy(runs, healthy):
+    bad = run_job(runs, "collapse", "--lr", "0.03")
+    names, findings = symptoms(bad)
+    assert names == {"reward_collapse"}
+    assert ["--lr", "0.003"] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+    fixed = run_job(runs, "collapse-fixed", "--lr", "0.003")
+    assert "reward_collapse" not in symptoms(fixed)[0]
+    # against the healthy run, the gap is named and the differing setting offered
+    names, findings = symptoms(bad, compare=healthy)
+    assert "accuracy_gap" in names
+    gap = next(f for f in findings if f.check == "accuracy_gap")
+    assert ["--lr", "0.0003"] in remedy_flags([gap])
+    assert_remedies_accepted(bad, [gap])
+    assert "accuracy_gap" not in symptoms(healthy, compare=healthy)[0]
+
+
+def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
+    bad = run_job(runs, "fp8-bare", "--fp8-rollout-only", "--no-use-r3", "--no-use-tis")
+    names, findings = symptoms(bad)
+    assert names == {"logprob_mismatch", "routing_mismatch"}
+    run = load_run(bad)
+    assert run.median("kl_rollout_train_k3") > THRESHOLDS["mismatch_k3"]
+    flags = remedy_flags(findings)
+    assert ["--use-tis"] in flags and ["--use-r3"] in flags
+    assert_remedies_accepted(bad, findings)
+    fixed = run_job(runs, "fp8-fixed", "--fp8-rollout-only", "--use-tis", "--use-r3")
+    assert symptoms(fixed)[0] == set()
+    assert load_run(fixed).median("tis_clipfrac") < THRESHOLDS["tis_clipfrac"]
+
+
+def test_slow_weight_sync(runs, healthy):
+    # 1 KiB buckets: one tensor per bucket, 126 copies per sync, on a small batch
+    bad = run_job(runs, "tiny-buckets", "--sync-bucket-size", "1024", "--rollout-batch-size", "2", steps=4)
+    names, findings = symptoms(bad)
+    assert names == {"weight_sync_share"}
+    assert ["--sync-bucket-size", str(512 * 1024**2)] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+    # the healthy run is that remedy (default 512 MiB buckets): its sync share is small
+    share = [r["sync_seconds"] / r["step_time"] for r in load_run(healthy).steps]
+    assert max(share) < THRESHOLDS["sync_share"]
+
+
+def test_truncation(runs):
+    bad = run_job(runs, "short", "--rollout-max-response-len", "2", steps=4)
+    names, findings = symptoms(bad)
+    assert names == {"truncation"}
+    assert ["--rollout-max-response-len", "4"] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+
+
+def test_memory_growth_from_a_leaky_plugin(runs):
+    from tests import reward_fixtures
+
+    try:
+        bad = run_job(
+            runs, "leak", "--dynamic-sampling-filter-path", "tests.reward_fixtures:leaky_filter", steps=6
+        )
+    finally:
+        reward_fixtures.LEAKED.clear()
+    names, findings = symptoms(bad)
+    assert names == {"memory_growth"}
+    assert findings[0].evidence[0].metric == "mem_driver_peak_rss_gb"
+    assert_remedies_accepted(bad, findings)
+
+
+def test_collapsed_router_is_an_expert_imbalance(runs):
+    from scripts.collapse_router import collapse_router
+
+    model = collapse_router("tiny", str(runs / "tiny-collapsed"))
+    bad = run_job(runs, "collapsed", "--model", model)
+    names, findings = symptoms(bad)
+    assert names == {"expert_imbalance"}
+    assert ["--aux-loss-coef", "0.01"] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+
+
+def test_doctor_errors_name_the_problem(tmp_path, capsys):
+    from miles.cli import main
+
+    assert main(["doctor", str(tmp_path / "nowhere")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_env_report(capsys):
+    import torch
+
+    from miles.cli import main
+
+    assert main(["doctor", "--env", "--json", "--model", "tiny"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["torch"] == torch.__version__
+    assert report["model"]["linear_input_sizes"] == [128]  # tiny's hidden and expert sizes
+    assert report["model"]["int4_group_sizes"] == [32, 64, 128]
+    assert report["shared_memory"]["dev_shm_total_gb"] > 0
