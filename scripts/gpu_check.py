@@ -4,7 +4,8 @@
 
 1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2);
 2. one GRPO training step on cuda vs cpu: same losses and gradient norm; CUDA IPC zero-copy
-   between two processes (a write through the trainer's tensor is seen by the other);
+   between two processes (a write through the trainer's tensor is seen by the other); the FP8
+   rollout layer (--fp8-rollout-only) on cuda vs cpu;
 3. `miles train --device cuda` (25 steps of the default job, local executor): held-out accuracy
    rises as on CPU (0.33 -> ~0.8), also with zero-copy sync (same-process GPU tensors) and with
    --colocate (trainer state moved to CPU during each rollout, KV cache freed during training);
@@ -157,11 +158,26 @@ def default_job_on_cuda(extra: list[str], name: str) -> None:
         )
 
 
+def fp8_rollout_cuda_vs_cpu() -> None:
+    """--fp8-rollout-only's FP8Linear (quantized weight and 1x128 activation tiles) on cuda = cpu."""
+    from miles.quant.fp8 import FP8Recipe
+    from miles.quant.rollout import FP8Linear
+
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(576, 300), torch.randn(7, 576)
+    for recipe in (FP8Recipe("blockwise"), FP8Recipe("tensorwise", fp32_scales=True)):
+        cpu = FP8Linear(linear, recipe)(x)
+        gpu = FP8Linear(copy.deepcopy(linear).cuda(), recipe)(x.cuda()).cpu()
+        err = float((cpu - gpu).abs().max())
+        check(f"FP8 rollout linear ({recipe.granularity}) cuda vs cpu", err < 1e-3, f"max |diff| {err:.2e}")
+
+
 def main() -> None:
     check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
     engine_cuda_vs_cpu("tiny")
     engine_cuda_vs_cpu("smollm2")
     train_step_cuda_vs_cpu()
+    fp8_rollout_cuda_vs_cpu()
     cuda_ipc_between_processes()
     default_job_on_cuda([], "default job, --device cuda")
     default_job_on_cuda(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync")
