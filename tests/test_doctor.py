@@ -115,6 +115,14 @@ def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
     assert load_run(fixed).median("tis_clipfrac") < THRESHOLDS["tis_clipfrac"]
 
 
+def test_too_tight_a_tis_band_clips_most_tokens(runs):
+    bad = run_job(runs, "fp8-tight", "--fp8-rollout-only", "--tis-threshold", "0.99", steps=4)
+    names, findings = symptoms(bad)
+    assert names == {"tis_clipping"}
+    assert ["--tis-threshold", "0.9"] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+
+
 def test_slow_weight_sync(runs, healthy):
     # 1 KiB buckets: one tensor per bucket, 126 copies per sync, on a small batch
     bad = run_job(runs, "tiny-buckets", "--sync-bucket-size", "1024", "--rollout-batch-size", "2", steps=4)

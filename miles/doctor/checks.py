@@ -298,10 +298,19 @@ def tis_clipping(run: RunRecord, compare: RunRecord | None):
     if frac is None or not run.setting("algo.use_tis") or frac <= THRESHOLDS["tis_clipfrac"]:
         return None
     evidence = [Evidence("tis_clipfrac", frac, None, THRESHOLDS["tis_clipfrac"], note="median over steps")]
+    remedies = []
+    threshold = run.setting("algo.tis_threshold")
+    if threshold is not None and threshold > 0.9:
+        remedies.append(
+            Remedy(["--tis-threshold", "0.9"], f"a wider trust band than {threshold:g}: fewer tokens masked")
+        )
+    if run.setting("algo.tis_clip", 2.0) < 2.0:
+        remedies.append(Remedy(["--tis-clip", "2.0"], "the common upper bound C (slime, verl)"))
+    remedies += [r for r in _mismatch_remedies(run) if r.flags != ["--use-tis"]]
     return (
         "the train/rollout mismatch is too large for TIS to correct without bias",
         evidence,
-        _mismatch_remedies(run),
+        remedies,
     )
 
 
