@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles.errors import ConfigError
+from miles.quant.convert import skip_patterns, to_fp8
 from miles.quant.fp8 import (
     E4M3_MAX,
     FP8Recipe,
@@ -19,10 +20,11 @@ from miles.quant.fp8 import (
     quantize,
     underflow_fraction,
 )
-from miles.quant.rollout import FP8Linear, fp8_rollout_model, skip_patterns
+from miles.quant.linear import FP8Linear, FP8Spec
 from tests.conftest import random_model
 
 BLOCK, TENSOR = FP8Recipe("blockwise"), FP8Recipe("tensorwise")
+SPEC = FP8Spec("blockwise")
 
 
 def test_blockwise_scales_by_hand_with_a_partial_block():
@@ -76,21 +78,21 @@ def test_activation_tiles_are_per_token():
 def test_fp8_linear_quantizes_both_operands_and_follows_weight_updates():
     torch.manual_seed(0)
     linear = torch.nn.Linear(200, 150)
-    layer = FP8Linear(linear, BLOCK)
+    layer = FP8Linear(linear, SPEC)
     x = torch.randn(4, 200)
-    expected = F.linear(fake_quantize_activation(x, BLOCK), fake_quantize(linear.weight, BLOCK), linear.bias)
-    assert torch.equal(layer(x), expected)
+
+    def expected():
+        return F.linear(fake_quantize_activation(x, BLOCK), fake_quantize(linear.weight, BLOCK), linear.bias)
+
     with torch.no_grad():
-        linear.weight.mul_(2.0)  # what a weight sync does: an in-place copy
-    assert torch.equal(
-        layer(x),
-        F.linear(fake_quantize_activation(x, BLOCK), fake_quantize(linear.weight, BLOCK), linear.bias),
-    )
+        assert torch.equal(layer(x), expected())
+        linear.weight.mul_(2.0)  # what an optimizer step does: an in-place update
+        assert torch.equal(layer(x), expected())
 
 
 def test_rollout_model_swaps_projections_only():
     model = random_model("qwen3_moe")
-    swapped = fp8_rollout_model(model, BLOCK)
+    swapped = to_fp8(model, SPEC)
     assert swapped and all(n.endswith("_proj") for n in swapped)
     modules = dict(model.named_modules())
     assert all(isinstance(modules[n], FP8Linear) for n in swapped)
@@ -100,10 +102,10 @@ def test_rollout_model_swaps_projections_only():
 
 def test_skip_layers_keep_full_precision_and_typos_are_errors():
     model = random_model("qwen3_moe")
-    swapped = fp8_rollout_model(model, BLOCK, skip_patterns("experts, o_proj"))
+    swapped = to_fp8(model, SPEC, skip_patterns("experts, o_proj"))
     assert swapped and not any("experts" in n or "o_proj" in n for n in swapped)
     with pytest.raises(ConfigError, match="'expertz' matches no layer"):
-        fp8_rollout_model(random_model("qwen3_moe"), BLOCK, skip_patterns("expertz"))
+        to_fp8(random_model("qwen3_moe"), SPEC, skip_patterns("expertz"))
 
 
 def test_fp32_scales_come_from_the_environment(monkeypatch):

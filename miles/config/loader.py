@@ -233,6 +233,52 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
+def validate_precision(cfg: RunConfig) -> None:
+    """FP8 settings: what combines, and the scale format from the environment (read here, once)."""
+    precision, sync = cfg.precision, cfg.sync
+    if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "").strip() == "1":
+        precision.fp8_fp32_scales = True
+    if precision.fp8_rollout_only:
+        precision.fp8_recipe = precision.fp8_recipe or "blockwise"
+    if not precision.fp8_recipe:
+        given = [
+            flag
+            for flag, value in (
+                ("--fp8-skip-layers", precision.fp8_skip_layers),
+                ("--fp8-fp32-scales (or NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1)", precision.fp8_fp32_scales),
+                ("--fp8-format", precision.fp8_format),
+                ("--fp8-dynamic-scaling", precision.fp8_dynamic_scaling),
+                ("--warmup-precision", cfg.train.warmup_precision),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"{given[0]} has no effect without FP8; add --fp8-recipe (or --fp8-rollout-only) or remove it"
+            )
+        return
+    what = "--fp8-rollout-only" if precision.fp8_rollout_only else f"--fp8-recipe {precision.fp8_recipe}"
+    if precision.fp8_dynamic_scaling and precision.fp8_recipe != "delayed":
+        raise ConfigError(
+            f"--fp8-dynamic-scaling changes only --fp8-recipe delayed; {precision.fp8_recipe} already scales each "
+            "tensor by its own amax. Remove the flag"
+        )
+    if cfg.train.warmup_precision and cfg.train.warmup_steps == 0:
+        raise ConfigError(
+            "--warmup-precision bf16 needs --warmup-steps N > 0 (the rollouts that run in bf16)"
+        )
+    if sync.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            f"{what} with --rollout-num-gpus-per-engine > 1: FP8 blocks of a tensor-parallel shard are not built "
+            "yet; use one device per engine"
+        )
+    if sync.check_weight_update_equal:
+        raise ConfigError(
+            f"--check-weight-update-equal compares engine and trainer weights bit for bit, but with {what} the "
+            "engine stores FP8 codes; use one or the other"
+        )
+
+
 def validate(given: RunConfig) -> RunConfig:
     """Check every setting, before any work; return the resolved configuration (the global
     batch, a micro-batch capped at it, --use-tis implied by --tis-threshold, DEBUG implied by
@@ -288,37 +334,7 @@ def validate(given: RunConfig) -> RunConfig:
         )
     if algo.tis_clip_low > algo.tis_clip:
         raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
-    precision = cfg.precision
-    if precision.fp8_recipe == "delayed":
-        raise ConfigError(
-            "--fp8-recipe delayed (an amax history) is not built yet; use blockwise or tensorwise"
-        )
-    if precision.fp8_recipe and not precision.fp8_rollout_only:
-        raise ConfigError(
-            f"--fp8-recipe {precision.fp8_recipe} alone asks for FP8 training, which is not built yet; add "
-            "--fp8-rollout-only for an FP8 rollout engine with a full-precision trainer"
-        )
-    if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "").strip() == "1":
-        precision.fp8_fp32_scales = True
-    if precision.fp8_rollout_only:
-        precision.fp8_recipe = precision.fp8_recipe or "blockwise"
-        if cfg.sync.rollout_num_gpus_per_engine > 1:
-            raise ConfigError(
-                "--fp8-rollout-only with --rollout-num-gpus-per-engine > 1: FP8 blocks of a tensor-parallel "
-                "shard are not built yet; use one device per engine"
-            )
-        if cfg.sync.check_weight_update_equal:
-            raise ConfigError(
-                "--check-weight-update-equal compares engine and trainer weights bit for bit, but "
-                "--fp8-rollout-only rounds the engine's on purpose; use one or the other"
-            )
-    elif precision.fp8_skip_layers or precision.fp8_fp32_scales:
-        flag = (
-            "--fp8-skip-layers"
-            if precision.fp8_skip_layers
-            else "--fp8-fp32-scales (or NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1)"
-        )
-        raise ConfigError(f"{flag} has no effect without FP8; add --fp8-rollout-only or remove it")
+    validate_precision(cfg)
     if train.min_lr > train.lr:
         raise ConfigError(f"--min-lr {train.min_lr} is above --lr {train.lr}")
     ckpt, logging_cfg = cfg.checkpoint, cfg.logging

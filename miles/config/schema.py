@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from miles.config.fields import (
     NOT_YET_EP,
-    NOT_YET_FP8,
     NOT_YET_INT4,
     NOT_YET_MA,
     NOT_YET_MOE,
@@ -201,7 +200,12 @@ class TrainSection:
     min_lr: float = option(0.0, "final learning rate of the cosine decay", bounds="[0, inf)")
     lr_decay_style: str = option("constant", "constant | cosine", choices=("constant", "cosine"))
     warmup_steps: int = option(0, "linear LR warm-up steps", aliases=("lr_warmup_iters",), bounds="[0, inf)")
-    warmup_precision: str | None = option(None, "precision during warm-up (bf16)", available=NOT_YET_FP8)
+    warmup_precision: str | None = option(
+        None,
+        "with FP8: the FP8 layers of trainer and engine compute in bf16 for the first --warmup-steps rollouts, "
+        "then in FP8 (the same --warmup-steps also warms up the learning rate)",
+        choices=("bf16",),
+    )
     weight_decay: float = option(0.0, "AdamW weight decay", bounds="[0, inf)")
     adam_beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
     adam_beta2: float = option(0.98, "AdamW beta2", bounds="[0, 1)")
@@ -294,21 +298,30 @@ class LoggingSection:
 class PrecisionSection:
     """Low precision (FP8 / INT4)."""
 
-    fp8_format: str | None = option(None, "e4m3 | hybrid", available=NOT_YET_FP8)
     fp8_recipe: str | None = option(
         None,
-        "FP8 scaling: blockwise (one scale per 128x128 weight block) | tensorwise (one per tensor) | delayed "
-        "(not built yet). Scales are powers of two unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1. Today only with "
-        "--fp8-rollout-only",
+        "unified FP8: trainer (FP8 forward GEMMs, straight-through backward, fp32 master weights) and rollout "
+        "engine (float8 weights) quantize the same way. blockwise: one scale per 128x128 weight block and per 1x128 "
+        "activation tile | tensorwise: one per tensor | delayed: per tensor, activations and gradients scaled by the "
+        "amax history of the previous 16 calls (Transformer Engine's delayed scaling). Scales are powers of two "
+        "unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
         choices=("blockwise", "tensorwise", "delayed"),
+    )
+    fp8_format: str | None = option(
+        None,
+        "e4m3 (every FP8 tensor E4M3, the default) | hybrid (E4M3 forward, E5M2 for gradients in the backward)",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_dynamic_scaling: bool = option(
+        False,
+        "with --fp8-recipe delayed: scale each tensor by its own current amax instead of the history (blockwise "
+        "and tensorwise always do; there the flag changes nothing and is refused)",
     )
     fp8_rollout_only: bool = option(
         False,
-        "the rollout engine computes with FP8-rounded weights (--fp8-recipe, default blockwise) while the trainer "
-        "stays in full precision: the low-precision-inference train/rollout mismatch, to measure it and its "
-        "remedies (--use-tis, --use-r3)",
+        "FP8 in the rollout engine only (--fp8-recipe, default blockwise), the trainer in full precision: the "
+        "train/rollout mismatch low-precision inference brings, which unified FP8 removes and --use-tis corrects",
     )
-    fp8_dynamic_scaling: bool = option(False, "current (dynamic) FP8 scaling", available=NOT_YET_FP8)
     fp8_fp32_scales: bool = option(
         False,
         "FP8 scales in FP32 instead of powers of two; NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 sets it (read once in "

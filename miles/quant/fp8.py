@@ -1,47 +1,53 @@
-"""FP8 (E4M3) quantization with one scale per tensor (tensorwise) or per 128x128 block (blockwise).
+"""FP8 quantization: E4M3 (max 448, 3 mantissa bits) for weights and activations, E5M2 (max
+57344, 2 mantissa bits) for gradients in the hybrid format.
 
-E4M3 holds magnitudes up to 448 with 3 mantissa bits. A block's scale is amax / 448 (amax floored
-at a tiny epsilon, so an all-zero block does not divide by zero); codes are
-clamp(x / scale, -448, 448) cast to `float8_e4m3fn`. Scales are rounded up to a power of two (exact
-to apply, as Transformer Engine does by default) unless FP32 scales are asked for
-(NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1). One outlier in a tensorwise-scaled tensor shrinks every
-other element towards (or below) E4M3's smallest step; a block confines it to its 128x128 tile.
-Blocks that do not divide a dimension are partial (ceiling division).
+A scale maps a tensor (tensorwise), a 128x128 weight block (blockwise) or a 1x128 activation tile
+onto the format's range: scale = amax / max (amax floored at a tiny epsilon, so an all-zero block
+does not divide by zero) and codes = clamp(x / scale, -max, max) cast to the float8 dtype. Scales
+are rounded up to a power of two (exact to apply, as Transformer Engine does by default) unless
+FP32 scales are asked for (NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1). One outlier in a tensorwise
+tensor shrinks every other element towards (or below) the format's smallest step; a block
+confines it to its tile. Blocks that do not divide a dimension are partial (ceiling division).
+Delayed scaling takes amax from the previous steps (an amax history) instead of the tensor itself,
+so an element above that amax saturates at the format's max.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
 AMAX_FLOOR = 1e-12
 BLOCK = 128
-FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+FORMATS = {"e4m3": (torch.float8_e4m3fn, E4M3_MAX), "e5m2": (torch.float8_e5m2, E5M2_MAX)}
 
 
 @dataclass(frozen=True)
 class FP8Recipe:
-    """How weights are scaled: `granularity` tensorwise | blockwise; `fp32_scales` False rounds
-    each scale up to a power of two."""
+    """`granularity`: tensorwise | blockwise; `fp32_scales` False rounds each scale up to a power
+    of two; `fmt`: the float8 format of the values (e4m3 or e5m2)."""
 
     granularity: str = "blockwise"
     fp32_scales: bool = False
+    fmt: str = "e4m3"
     block: int = BLOCK
 
-    @classmethod
-    def from_env(cls, granularity: str) -> FP8Recipe:
-        """The recipe for --fp8-recipe, with the scale format from the environment (read once, in
-        the driver; the recipe object then travels to every worker, so workers need not see it)."""
-        return cls(granularity, fp32_scales=os.environ.get(FP32_SCALES_ENV, "0") == "1")
+    @property
+    def max(self) -> float:
+        return FORMATS[self.fmt][1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return FORMATS[self.fmt][0]
 
 
-def _scale(amax: torch.Tensor, fp32_scales: bool) -> torch.Tensor:
-    scale = amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
-    if not fp32_scales:  # the next power of two at or above: codes still fit in +-448
+def scale_for(amax: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
+    scale = amax.float().clamp(min=AMAX_FLOOR) / recipe.max
+    if not recipe.fp32_scales:  # the next power of two at or above: codes still fit in the range
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale
 
@@ -49,59 +55,78 @@ def _scale(amax: torch.Tensor, fp32_scales: bool) -> torch.Tensor:
 def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
     """Max |x| of each (block x block) tile of a 2-D tensor, partial tiles included: (ceil(R/b), ceil(C/b))."""
     rows, cols = x.shape
-    pad = torch.zeros(math.ceil(rows / block) * block, math.ceil(cols / block) * block, dtype=x.dtype)
-    pad[:rows, :cols] = x.abs()
+    pad = x.new_zeros(math.ceil(rows / block) * block, math.ceil(cols / block) * block)
+    pad[:rows, :cols] = x.detach().abs()
     return pad.reshape(pad.shape[0] // block, block, pad.shape[1] // block, block).amax(dim=(1, 3))
 
 
-def quantize(x: torch.Tensor, recipe: FP8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes as float8_e4m3fn, scales): one scale for tensorwise, one per tile for blockwise."""
-    x = x.detach().float().cpu() if x.device.type != "cpu" else x.detach().float()
-    if recipe.granularity == "tensorwise" or x.dim() != 2:
-        scale = _scale(x.abs().amax(), recipe.fp32_scales)
-        full = scale
+def _expand(scale: torch.Tensor, shape: torch.Size, block: int) -> torch.Tensor:
+    if scale.dim() == 0:
+        return scale
+    return scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: shape[0], : shape[1]]
+
+
+def quantize(
+    x: torch.Tensor, recipe: FP8Recipe, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes in the recipe's float8 dtype, scales) of a weight: one scale for tensorwise (or
+    when `amax` is given: delayed scaling), one per 128x128 block for blockwise."""
+    x = x.detach().float()
+    if amax is not None or recipe.granularity == "tensorwise" or x.dim() != 2:
+        scale = scale_for(x.abs().amax() if amax is None else amax, recipe)
     elif recipe.granularity == "blockwise":
-        scale = _scale(block_amax(x, recipe.block), recipe.fp32_scales)
-        b = recipe.block
-        full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[: x.shape[0], : x.shape[1]]
+        scale = scale_for(block_amax(x, recipe.block), recipe)
     else:
         raise ValueError(f"FP8 recipe {recipe.granularity!r} is not tensorwise or blockwise")
-    codes = (x / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = (x / _expand(scale, x.shape, recipe.block)).clamp(-recipe.max, recipe.max).to(recipe.dtype)
     return codes, scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    values = codes.float()
-    if scale.dim() == 0:
-        return values * scale
-    b = recipe.block
-    return (
-        values * scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[: values.shape[0], : values.shape[1]]
-    )
+    return codes.float() * _expand(scale, codes.shape, recipe.block)
 
 
-def fake_quantize(x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    """x rounded to what FP8 can hold, back in x's dtype and device (the CPU emulation)."""
-    codes, scale = quantize(x, recipe)
-    return dequantize(codes, scale, recipe).to(dtype=x.dtype, device=x.device)
+def fake_quantize(x: torch.Tensor, recipe: FP8Recipe, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """x rounded to what FP8 can hold, back in x's dtype (the CPU emulation of a weight)."""
+    codes, scale = quantize(x, recipe, amax)
+    return dequantize(codes, scale, recipe).to(x.dtype)
 
 
-def underflow_fraction(x: torch.Tensor, recipe: FP8Recipe) -> float:
-    """Fraction of nonzero elements that quantize to zero (flushed by too large a scale)."""
-    codes, _ = quantize(x, recipe)
-    nonzero = x.detach().cpu() != 0
-    return float(((codes.float() == 0) & nonzero).sum() / nonzero.sum().clamp(min=1))
-
-
-def fake_quantize_activation(x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    """Activations: blockwise scales each 1 x 128 tile of the last dimension (one token's 128
-    channels), tensorwise the whole tensor (so one outlier token sets every token's scale)."""
-    if recipe.granularity == "tensorwise":
-        scale = _scale(x.detach().abs().amax(), recipe.fp32_scales)
-        return ((x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)) * scale
+def fake_quantize_activation(
+    x: torch.Tensor, recipe: FP8Recipe, amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Activations (and gradients): blockwise scales each 1 x 128 tile of the last dimension (one
+    token's 128 channels), tensorwise the whole tensor (so one outlier token sets every token's
+    scale); `amax` given: one delayed scale for the whole tensor."""
+    if x.numel() == 0:  # an expert that got no tokens
+        return x
+    if amax is not None or recipe.granularity == "tensorwise":
+        scale = scale_for(x.detach().abs().amax() if amax is None else amax, recipe).to(x.dtype)
+        return (x / scale).clamp(-recipe.max, recipe.max).to(recipe.dtype).to(x.dtype) * scale
     b, cols = recipe.block, x.shape[-1]
     tiles = math.ceil(cols / b)
     padded = torch.nn.functional.pad(x, (0, tiles * b - cols)).reshape(*x.shape[:-1], tiles, b)
-    scale = _scale(padded.detach().abs().amax(-1, keepdim=True), recipe.fp32_scales).to(x.dtype)
-    q = (padded / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    scale = scale_for(padded.detach().abs().amax(-1, keepdim=True), recipe).to(x.dtype)
+    q = (padded / scale).clamp(-recipe.max, recipe.max).to(recipe.dtype).to(x.dtype) * scale
     return q.reshape(*x.shape[:-1], tiles * b)[..., :cols]
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 and back (the CPU emulation of a bf16 GEMM input)."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def flush_and_saturation(x: torch.Tensor, q: torch.Tensor, recipe: FP8Recipe) -> tuple[int, int, int]:
+    """(elements flushed to zero, elements at the format's max magnitude that were above it, total)
+    of one quantization x -> q."""
+    x, q = x.detach(), q.detach()
+    flushed = int(((q == 0) & (x != 0)).sum())
+    saturated = int((q.abs() < x.abs() * (1 - 2**-3)).sum())  # clipped by far more than rounding
+    return flushed, saturated, x.numel()
+
+
+def underflow_fraction(x: torch.Tensor, recipe: FP8Recipe) -> float:
+    """Fraction of nonzero elements of a weight that quantize to zero (flushed by too large a scale)."""
+    codes, _ = quantize(x, recipe)
+    nonzero = x.detach() != 0
+    return float(((codes.float() == 0) & nonzero).sum() / nonzero.sum().clamp(min=1))

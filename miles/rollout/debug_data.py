@@ -77,6 +77,9 @@ class ReplayRollout:
     def peak_memory(self) -> list[dict[str, int]]:
         return []
 
+    def set_precision(self, mode: str) -> None:
+        """No engine: nothing computes rollouts here."""
+
     def shutdown(self) -> None:
         pass
 

@@ -192,6 +192,13 @@ class Engine:
         """Ray nodes of the engine processes: none, it runs in this one."""
         return []
 
+    def set_precision(self, mode: str) -> None:
+        """bf16 (precision warm-up) or fp8 for the FP8 layers, between decoding steps."""
+        from miles.quant.convert import set_mode
+
+        with self._turnstile, self._step_lock:
+            set_mode(self.model, mode)
+
     def peak_memory(self) -> list[dict[str, int]]:
         """None of its own: it shares the driver's process (`mem_driver_*`)."""
         return []

@@ -16,6 +16,8 @@ def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, t
     Returns the number of tensors applied. A tied lm_head.weight is accepted and skipped.
     """
     params = dict(model.state_dict(keep_vars=True))
+    # layers that store weights their own way (FP8 codes) load them through load_weight
+    loaders = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_weight")}
     tied = model.config.tie_word_embeddings
     todo = []
     for name, tensor in named_tensors:
@@ -29,8 +31,11 @@ def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, t
             raise MilesError(
                 f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
             )
-        todo.append((params[name], tensor))
+        todo.append((name, params[name], tensor))
     with torch.no_grad():
-        for param, tensor in todo:
-            param.copy_(tensor)
+        for name, param, tensor in todo:
+            if name in loaders:
+                loaders[name].load_weight(tensor)
+            else:
+                param.copy_(tensor)
     return len(todo)

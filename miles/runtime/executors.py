@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from miles.config.schema import RunConfig
 from miles.models.checkpoint import hf_state_dict
-from miles.quant.rollout import prepare_rollout_model
+from miles.quant.convert import prepare_rollout_model, prepare_train_model
 from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
@@ -44,15 +44,15 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device
     if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts (one process only)
         replay = ReplayRollout(tokenizer)
-        return Executor(PolicyTrainer(policy, cfg), replay, NoSync(replay))
+        return Executor(PolicyTrainer(prepare_train_model(policy, cfg), cfg), replay, NoSync(replay))
     engine = Engine(
-        prepare_rollout_model(copy.deepcopy(policy), cfg.precision),
+        prepare_rollout_model(copy.deepcopy(policy), cfg),
         tokenizer,
         rollout_cfg.rollout_max_batch_size,
         max_seq_len=max_seq_len,
         seed=rollout_cfg.rollout_seed,
     )
-    trainer = PolicyTrainer(policy, cfg)
+    trainer = PolicyTrainer(prepare_train_model(policy, cfg), cfg)
     return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))
 
 
@@ -81,7 +81,7 @@ def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, dev
         actor_options=[placement.options(b) for b in layout.rollout_bundles],
         tp_size=tp,
         device=cfg.model.device,
-        precision=cfg.precision,
+        run_cfg=cfg,
     )
     # training runs in actors even for one rank: each gets its own device from its bundle (a
     # driver on "cuda:0" could share a GPU with an engine, and NCCL refuses two ranks on one GPU)

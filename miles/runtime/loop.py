@@ -23,6 +23,7 @@ from miles.data.run_data import RunData, build_data
 from miles.errors import ConfigError, MilesError
 from miles.models import registry
 from miles.models.checkpoint import save_model
+from miles.quant.convert import mode_at, spec_for, start_mode
 from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
@@ -54,6 +55,7 @@ class Run:
     sync: WeightSync
     metrics: MetricsLogger
     run_dir: Path
+    precision_mode: str = ""  # bf16 | fp8 of the FP8 layers now (see switch_precision)
 
 
 def train(cfg: RunConfig) -> Path:
@@ -135,6 +137,7 @@ def run_loop(run: Run) -> Path:
         disable=not cfg.logging.progress,
     )
     for rollout_id in bar:
+        precision = switch_precision(run, rollout_id)
         t0 = time.perf_counter()
         with profiler.phase("miles.rollout"):
             groups, step = feed.next(rollout_id)
@@ -144,7 +147,7 @@ def run_loop(run: Run) -> Path:
         t2 = time.perf_counter()
         step.update(
             rollout_time=t1 - t0, train_time=t2 - t1, step_time=t2 - t0, weight_version=run.rollout.weight_version,
-            **memory_step(run),
+            **memory_step(run), **precision,
         )  # fmt: skip
         last = rollout_id == total - 1
         if run.data.eval_items and (last or due(cfg.data.eval_interval, rollout_id)):
@@ -166,6 +169,24 @@ def run_loop(run: Run) -> Path:
         run.trainer.sync_policy()
         save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
     return run.run_dir
+
+
+def switch_precision(run: Run, rollout_id: int) -> dict[str, float]:
+    """--warmup-precision bf16: the FP8 layers of the trainer and the engines compute in bf16 for
+    the first --warmup-steps rollouts, then in FP8 (the switch is logged; `fp8_enabled` marks each
+    step). A run resumed past the warm-up switches at its first step."""
+    if spec_for(run.cfg.precision) is None:
+        return {}
+    mode = mode_at(run.cfg, rollout_id)
+    if mode != run.precision_mode:
+        if run.precision_mode or mode != start_mode(run.cfg):
+            run.trainer.set_precision(mode)
+            run.rollout.set_precision(mode)
+            # the engines re-quantize from the trainer's fp32 weights, not from what they held
+            run.sync.push(run.rollout.weight_version)
+            log.info("rollout %d: FP8 layers now compute in %s", rollout_id, mode)
+        run.precision_mode = mode
+    return {"fp8_enabled": float(mode == "fp8")}
 
 
 def due(interval: int, rollout_id: int) -> bool:

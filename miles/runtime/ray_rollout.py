@@ -55,7 +55,7 @@ class EngineActor:
         threads: int = 1,
         tp: tuple[int, int, str, int] | None = None,
         device: str = "cpu",
-        precision=None,
+        run_cfg=None,
     ) -> None:
         """`tp` = (rank, size, addr, port): this actor is one rank of a tensor-parallel engine.
         `device`: --device (cuda: the GPU Ray gave this actor)."""
@@ -78,10 +78,10 @@ class EngineActor:
         # a tensor-parallel rank reads only its own part of the checkpoint
         policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
-        if precision is not None:  # the run's PrecisionSection, as the driver resolved it
-            from miles.quant.rollout import prepare_rollout_model
+        if run_cfg is not None:  # the run's configuration, as the driver resolved it (FP8)
+            from miles.quant.convert import prepare_rollout_model
 
-            policy = prepare_rollout_model(policy, precision)
+            policy = prepare_rollout_model(policy, run_cfg)
         self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
 
@@ -150,6 +150,9 @@ class EngineActor:
 
         return step_peak_memory(self.device)
 
+    def set_precision(self, mode: str) -> None:
+        self.engine.set_precision(mode)
+
 
 class RolloutManager:
     """Spreads requests over `num_engines` engines; recovers from an actor's death. An engine is
@@ -166,14 +169,14 @@ class RolloutManager:
         actor_options: list[dict] | None = None,
         tp_size: int = 1,
         device: str = "cpu",
-        precision=None,
+        run_cfg=None,
     ) -> None:
-        """`precision`: the run's PrecisionSection, for every engine. `actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
+        """`run_cfg`: the run's configuration, for every engine (FP8). `actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
         engine j is actors j*tp_size .. (j+1)*tp_size - 1."""
 
         self._options = actor_options or [{}] * (num_engines * tp_size)
         self._engine_args = (model, max_batch_size, max_seq_len, seed)
-        self.tp_size, self.device, self.precision = tp_size, device, precision
+        self.tp_size, self.device, self.run_cfg = tp_size, device, run_cfg
         self.engines: list[list] = [self._start_engine(j) for j in range(num_engines)]
         self.actors = [a for g in self.engines for a in g]
         from miles.models.registry import tokenizer_for
@@ -198,7 +201,7 @@ class RolloutManager:
         if self.tp_size == 1:  # two threads: a weight update lands mid-rollout, between decoding steps
             return [
                 EngineActor.options(**members[0], max_concurrency=2).remote(
-                    *self._engine_args, device=self.device, precision=self.precision
+                    *self._engine_args, device=self.device, run_cfg=self.run_cfg
                 )
             ]
         addr, port = rendezvous(members[0])
@@ -209,7 +212,7 @@ class RolloutManager:
                 *self._engine_args,
                 tp=(r, self.tp_size, addr, port),
                 device=self.device,
-                precision=self.precision,
+                run_cfg=self.run_cfg,
             )
             for r, opts in enumerate(members)
         ]
@@ -298,6 +301,9 @@ class RolloutManager:
     def peak_memory(self) -> list[dict[str, int]]:
         """Each engine process's peak memory since the last call."""
         return ray.get([a.peak_memory.remote() for a in self.actors])
+
+    def set_precision(self, mode: str) -> None:
+        ray.get([a.set_precision.remote(mode) for a in self.actors])
 
     def node_ids(self) -> list[str]:
         """The Ray node of each engine actor."""

@@ -87,6 +87,9 @@ class TrainerActor(GroupSender):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
+        from miles.quant.convert import prepare_train_model
+
+        prepare_train_model(policy, cfg)  # unified FP8: FP8 forward GEMMs over fp32 master weights
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
         self._handles: bytes | None = None  # --use-zero-copy-sync: see share_handles
         if self.fsdp:
@@ -163,6 +166,9 @@ class TrainerActor(GroupSender):
 
     def offload(self) -> int:
         return self.actor.offload()
+
+    def set_precision(self, mode: str) -> None:
+        self.actor.set_precision(mode)
 
     def onload(self) -> int:
         return self.actor.onload()
@@ -306,6 +312,9 @@ class RayTrainer:
     def peak_memory(self) -> list[dict[str, int]]:
         """Each rank's peak memory since the last call."""
         return ray.get(self._submit(lambda: [r.peak_memory.remote() for r in self.ranks]))
+
+    def set_precision(self, mode: str) -> None:
+        ray.get(self._submit(lambda: [r.set_precision.remote(mode) for r in self.ranks]))
 
     def weight_group_address(self) -> tuple[str, int]:
         return rendezvous(self._rank0_options)

@@ -26,6 +26,7 @@ from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.models.checkpoint import hf_state_dict
 from miles.models.transformer import Transformer
+from miles.quant.convert import fp8_metrics
 from miles.sync.transports import share
 from miles.train.batch import PackedBatch, forward_logprobs, pack_samples, recorded_routing
 
@@ -158,6 +159,14 @@ class PolicyTrainer:
     def peak_memory(self) -> list[dict[str, int]]:
         """None of its own: it shares the driver's process (`mem_driver_*`), and its GPU."""
         return []
+
+    def set_precision(self, mode: str) -> None:
+        """bf16 (precision warm-up) or fp8 for the FP8 layers of the policy and the reference."""
+        from miles.quant.convert import set_mode
+
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                set_mode(model, mode)
 
     def offload(self) -> int:
         """Move weights, gradients and optimizer state (and the reference model) to CPU while a
@@ -305,6 +314,7 @@ class PolicyTrainer:
             record("skipped_step", 0)
         out = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
         out["consecutive_skipped_steps"] = self.consecutive_skipped
+        out.update(fp8_metrics(self.model))
         return out
 
     def _micro_batch(
