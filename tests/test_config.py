@@ -71,9 +71,18 @@ def test_every_guide_flag_is_listed_in_help():
         (["--lr", "0"], "--lr must be > 0"),
         (["--tis-threshold", "1.5"], "--tis-threshold must be in (0, 1]"),
         (["--fp8-format", "e4m3"], "--fp8-format has no effect without FP8"),
-        (["--fp8-recipe", "blockwise", "--fp8-dynamic-scaling"], "--fp8-dynamic-scaling changes only --fp8-recipe delayed"),
-        (["--fp8-recipe", "blockwise", "--warmup-precision", "bf16"], "--warmup-precision bf16 needs --warmup-steps"),
-        (["--warmup-precision", "bf16", "--warmup-steps", "3"], "--warmup-precision has no effect without FP8"),
+        (
+            ["--fp8-recipe", "blockwise", "--fp8-dynamic-scaling"],
+            "--fp8-dynamic-scaling changes only --fp8-recipe delayed",
+        ),
+        (
+            ["--fp8-recipe", "blockwise", "--warmup-precision", "bf16"],
+            "--warmup-precision bf16 needs --warmup-steps",
+        ),
+        (
+            ["--warmup-precision", "bf16", "--warmup-steps", "3"],
+            "--warmup-precision has no effect without FP8",
+        ),
         (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
         (["--fp8-skip-layers", "lm_head"], "--fp8-skip-layers has no effect without FP8"),
         (["--fp8-rollout-only", "--check-weight-update-equal"], "the engine stores FP8 codes"),
