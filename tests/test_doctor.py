@@ -110,9 +110,14 @@ def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
     flags = remedy_flags(findings)
     assert ["--use-tis"] in flags and ["--use-r3"] in flags
     assert_remedies_accepted(bad, findings)
+    assert ["--no-fp8-rollout-only", "--fp8-recipe", "blockwise"] in flags
     fixed = run_job(runs, "fp8-fixed", "--fp8-rollout-only", "--use-tis", "--use-r3")
     assert symptoms(fixed)[0] == set()
     assert load_run(fixed).median("tis_clipfrac") < THRESHOLDS["tis_clipfrac"]
+    # unified FP8 removes the mismatch itself, with neither correction
+    unified = run_job(runs, "fp8-unified", "--fp8-recipe", "blockwise", "--no-use-r3", "--no-use-tis")
+    assert symptoms(unified)[0] == set()
+    assert load_run(unified).median("kl_rollout_train_k3") < THRESHOLDS["mismatch_k3"] / 100
 
 
 def test_too_tight_a_tis_band_clips_most_tokens(runs):

@@ -111,6 +111,44 @@ def _is_moe(run: RunRecord) -> bool:
     return bool(run.series("routing_mismatch_frac") or run.series("expert_load_max_over_mean"))
 
 
+def _fp8_training(run: RunRecord) -> bool:
+    return bool(run.setting("precision.fp8_recipe")) and not run.setting("precision.fp8_rollout_only")
+
+
+def _fp8_remedies(run: RunRecord) -> list[Remedy]:
+    """The guide's FP8 remedies this run does not use yet (unified FP8 training only)."""
+    if not _fp8_training(run):
+        return []
+    remedies = []
+    if run.setting("precision.fp8_recipe") != "blockwise":
+        remedies.append(
+            Remedy(["--fp8-recipe", "blockwise"], "a scale per 128x128 block: one outlier spoils one block")
+        )
+    if not run.setting("precision.fp8_fp32_scales"):
+        remedies.append(
+            Remedy(
+                ["--fp8-fp32-scales"],
+                "FP32 scales instead of powers of two (= NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1)",
+            )
+        )
+    if run.setting("precision.fp8_recipe") == "delayed" and not run.setting("precision.fp8_dynamic_scaling"):
+        remedies.append(
+            Remedy(["--fp8-dynamic-scaling"], "each tensor's own amax instead of a stale history")
+        )
+    if run.setting("precision.fp8_format") == "hybrid":
+        remedies.append(
+            Remedy(["--fp8-format", "e4m3"], "E4M3 everywhere: one more mantissa bit for gradients")
+        )
+    if not run.setting("train.warmup_precision"):
+        remedies.append(
+            Remedy(
+                ["--warmup-steps", "100", "--warmup-precision", "bf16"],
+                "start in bf16, switch to FP8 once stable",
+            )
+        )
+    return remedies
+
+
 def _smoothed(values: list[float], k: int) -> list[float]:
     return [sum(values[i : i + k]) / k for i in range(len(values) - k + 1)]
 
@@ -164,8 +202,9 @@ def loss_explosion(run: RunRecord, compare: RunRecord | None):
                 "dual clip: bounds the loss of negative advantages whose ratio runs away",
             )
         )
-    if not run.setting("train.warmup_steps", 0):
+    if not run.setting("train.warmup_steps", 0) and not _fp8_training(run):
         remedies.append(Remedy(["--warmup-steps", "10"], "warm the learning rate up over the first steps"))
+    remedies += _fp8_remedies(run)
     return (
         "updates too large for the model: learning rate, no clipping or an unbounded PPO ratio",
         evidence,
@@ -210,6 +249,7 @@ def reward_collapse(run: RunRecord, compare: RunRecord | None):
         )
     if _is_moe(run) and not run.setting("algo.use_r3"):
         remedies.append(Remedy(["--use-r3"], "MoE: replay the rollout's routing in training"))
+    remedies += _fp8_remedies(run)
     return (
         "the policy left the region where it earned reward (too large steps, or off-policy updates)",
         evidence,
@@ -254,8 +294,14 @@ def _mismatch_remedies(run: RunRecord) -> list[Remedy]:
     if run.setting("precision.fp8_rollout_only"):
         remedies.append(
             Remedy(
+                ["--no-fp8-rollout-only", "--fp8-recipe", run.setting("precision.fp8_recipe") or "blockwise"],
+                "unified FP8: the trainer quantizes as the engine does, so both compute the same numbers",
+            )
+        )
+        remedies.append(
+            Remedy(
                 [],
-                "remove --fp8-rollout-only: a trainer and an engine in the same precision compute the same numbers",
+                "or remove --fp8-rollout-only: no FP8 on either side",
             )
         )
     if not run.setting("algo.verify_logprobs"):
@@ -454,8 +500,9 @@ IGNORED_SETTINGS = {
 }
 
 
-def _final_accuracy(run: RunRecord) -> float | None:
-    evals = [v for _, v in run.evals()]
+def _final_accuracy(run: RunRecord, upto: int) -> float | None:
+    """Mean of the last two evaluations at or before step `upto`."""
+    evals = [v for step, v in run.evals() if step <= upto]
     return sum(evals[-2:]) / len(evals[-2:]) if evals else None
 
 
@@ -470,11 +517,13 @@ def _as_flag(key: str, value) -> list[str]:
 def accuracy_gap(run: RunRecord, compare: RunRecord | None):
     if compare is None:
         return None
-    mine, theirs = _final_accuracy(run), _final_accuracy(compare)
+    # compared over the steps both runs reached: a longer reference run is not a gap
+    upto = min(max((s for s, _ in r.evals()), default=-1) for r in (run, compare))
+    mine, theirs = _final_accuracy(run, upto), _final_accuracy(compare, upto)
     if mine is None or theirs is None or theirs - mine <= THRESHOLDS["accuracy_gap"]:
         return None
     evidence = [
-        Evidence("eval_accuracy", mine, note="mean of the last two evaluations"),
+        Evidence("eval_accuracy", mine, note=f"mean of the last two evaluations up to step {upto}"),
         Evidence(
             "eval_accuracy (--compare)", theirs, threshold=THRESHOLDS["accuracy_gap"], note=str(compare.path)
         ),
@@ -494,4 +543,6 @@ def accuracy_gap(run: RunRecord, compare: RunRecord | None):
             )
     if run.setting("precision.fp8_rollout_only") and not run.setting("algo.use_tis"):
         remedies.append(Remedy(["--use-tis"], "correct the FP8 rollout's mismatch"))
+    known = {tuple(r.flags) for r in remedies}
+    remedies += [r for r in _fp8_remedies(run) if tuple(r.flags) not in known]
     return "the runs differ in the settings below; each is a candidate", evidence, remedies

@@ -13,7 +13,7 @@ def _remedy_lines(finding: Finding, indent: str) -> list[str]:
     lines = []
     for remedy in finding.remedies:
         flags = " ".join(remedy.flags)
-        lines.append(f"{indent}{flags:<34} {remedy.why}" if flags else f"{indent}{remedy.why}")
+        lines.append(f"{indent}{flags:<34}  {remedy.why}" if flags else f"{indent}{remedy.why}")
     return lines
 
 
