@@ -319,9 +319,16 @@ def validate(given: RunConfig) -> RunConfig:
         raise ConfigError(
             f"--advantage-estimator {algo.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"
         )
-    if algo.advantage_estimator == "ppo":
+    critic_flags = {
+        "--critic-model": algo.critic_model,
+        "--critic-lr": algo.critic_lr,
+        "--critic-warmup": algo.critic_warmup,
+    }
+    if algo.advantage_estimator != "ppo" and (given := [f for f, v in critic_flags.items() if v]):
+        raise ConfigError(f"{given[0]} sets up the PPO critic; add --advantage-estimator ppo or remove it")
+    if algo.advantage_estimator == "ppo" and algo.critic_warmup >= rollout.num_rollout:
         raise ConfigError(
-            "--advantage-estimator ppo needs a critic, which `miles train` does not build yet; use grpo, gspo, rloo or reinforce_plus_plus"
+            f"--critic-warmup {algo.critic_warmup} leaves no rollout of the {rollout.num_rollout} to train the policy"
         )
     if algo.tis_threshold is not None:
         algo.use_tis = True

@@ -126,7 +126,8 @@ class AlgoSection:
 
     advantage_estimator: str = option(
         "grpo",
-        "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline",
+        "grpo | gspo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | ppo (a learned critic and "
+        "GAE: --lambd, --value-clip, --critic-lr, --critic-warmup)",
         choices=("grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"),
     )
     disable_grpo_std_normalization: bool = option(
@@ -153,6 +154,28 @@ class AlgoSection:
     )
     kl_coef: float = option(0.0, "KL penalty in the reward (REINFORCE++)", bounds="[0, inf)")
     gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)", bounds="[0, 1]")
+    lambd: float = option(
+        1.0, "GAE lambda (--advantage-estimator ppo)", aliases=("lam", "gae_lambda"), bounds="[0, 1]"
+    )
+    value_clip: float | None = option(
+        0.2,
+        "PPO critic: clip each value's change to +-value_clip around its old value in the value loss",
+        aliases=("cliprange_value",),
+        bounds="(0, inf)",
+    )
+    critic_model: str | None = option(
+        None, "PPO critic's initial weights (default: the policy's checkpoint), with a new scalar value head"
+    )
+    critic_lr: float | None = option(None, "PPO critic learning rate (default: --lr)", bounds="(0, inf)")
+    critic_lr_warmup_steps: int = option(
+        0, "linear warm-up steps of the critic's learning rate", bounds="[0, inf)"
+    )
+    critic_warmup: int = option(
+        0,
+        "PPO: the first N rollouts train the critic only (the policy waits for useful values)",
+        aliases=("num_critic_only_steps",),
+        bounds="[0, inf)",
+    )
     use_tis: bool = option(
         False, "truncated importance sampling: weight each token by min(pi_train / pi_rollout, tis_clip)"
     )

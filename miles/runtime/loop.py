@@ -35,6 +35,7 @@ from miles.runtime.profiling import StepProfiler
 from miles.runtime.protocols import Rollout, Trainer
 from miles.runtime.train_state import resume, save_checkpoint
 from miles.sync.strategy import WeightSync
+from miles.train.critic import Critic, value_model
 from miles.train.sample_advantages import compute_advantages
 
 log = logging.getLogger("miles")
@@ -56,6 +57,7 @@ class Run:
     metrics: MetricsLogger
     run_dir: Path
     precision_mode: str = ""  # bf16 | fp8 of the FP8 layers now (see switch_precision)
+    critic: Critic | None = None  # --advantage-estimator ppo
 
 
 def train(cfg: RunConfig) -> Path:
@@ -90,6 +92,9 @@ def train(cfg: RunConfig) -> Path:
             nonconstant_reward if path == "default" else load_function(path, "--dynamic-sampling-filter-path")
         )
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
+    critic = None
+    if cfg.algo.advantage_estimator == "ppo":  # from the policy as loaded, before any training or FP8
+        critic = Critic(value_model(policy, cfg.algo.critic_model, cfg.train.seed), cfg)
     try:
         executor = build_executor(cfg, policy, tokenizer, max_seq_len)
         try:
@@ -104,7 +109,7 @@ def train(cfg: RunConfig) -> Path:
             )
             run = Run(
                 cfg, policy, tokenizer, data, rewards, keep,
-                executor.trainer, executor.rollout, executor.sync, metrics, run_dir,
+                executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic,
             )  # fmt: skip
             return run_loop(run)
         finally:
@@ -117,7 +122,7 @@ def run_loop(run: Run) -> Path:
     """Rollout, train, sync, evaluate, log, checkpoint: `--num-rollout` times."""
     cfg = run.cfg
     log.debug("weight sync: %s, every %d rollout(s)", run.sync.name, cfg.sync.update_weights_interval)
-    start = resume(cfg, run.policy, run.trainer, run.sync, run.data, run.metrics)
+    start = resume(cfg, run.policy, run.trainer, run.sync, run.data, run.metrics, run.critic)
     last_eval = float("nan")
     if start == 0 and run.data.eval_items:
         initial = evaluate(run.rollout, run.data.eval_items, cfg, run.rewards)
@@ -162,6 +167,8 @@ def run_loop(run: Run) -> Path:
         if cfg.checkpoint.save and (last or due(cfg.checkpoint.save_interval, rollout_id)):
             run.trainer.sync_policy()
             state = {"actor": run.trainer.state_dict(), "data_position": feed.data_position}
+            if run.critic is not None:
+                state["critic"] = run.critic.state_dict()
             save_checkpoint(cfg.checkpoint.save, rollout_id, run.policy, run.tokenizer, state)
     for done in (bar, profiler, feed, run.metrics):
         done.close()
@@ -274,7 +281,12 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
 
     with profiler.phase("miles.train"):
         samples = [s for g in groups for s in g]
-        metrics = run.trainer.train(samples, compute_advantages(groups, cfg, reference_kl))
+        if run.critic is not None:
+            metrics = train_with_critic(run, samples, rollout_id, reference_kl)
+            if rollout_id < cfg.algo.critic_warmup:
+                return metrics  # the policy did not change: nothing to sync
+        else:
+            metrics = run.trainer.train(samples, compute_advantages(groups, cfg, reference_kl))
     if reward_kl:
         metrics["reward_kl_mean"] = reward_kl[0]
     check_training(cfg, metrics, rollout_id)
@@ -288,6 +300,17 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
             "rollout %d: weight sync v%d: %d tensors in %d buckets, %d bytes moved, %.3f s",
             rollout_id, rollout_id + 1, sync.tensors, sync.buckets, sync.moved_bytes, sync.seconds,
         )  # fmt: skip
+    return metrics
+
+
+def train_with_critic(run: Run, samples: list, rollout_id: int, reference_kl) -> dict[str, float]:
+    """PPO: GAE advantages from the critic's values (before either model changes), then the critic's
+    step on the returns and, after --critic-warmup rollouts, the policy's."""
+    kl = reference_kl(samples) if run.cfg.algo.kl_coef > 0 else None
+    advantages, returns, values = run.critic.advantages(samples, kl)
+    metrics = run.critic.train(samples, returns, values)
+    if rollout_id >= run.cfg.algo.critic_warmup:
+        metrics.update(run.trainer.train(samples, advantages))
     return metrics
 
 

@@ -103,7 +103,7 @@ def load_latest(load_dir: str | Path, model) -> tuple[Path, dict[str, Any]] | No
     raise CheckpointError(f"--load {load_dir}: no checkpoint loads; the newest: {errors[0]}")
 
 
-def resume(cfg, policy, trainer, sync, data, metrics) -> int:
+def resume(cfg, policy, trainer, sync, data, metrics, critic=None) -> int:
     """The first rollout to run: after the latest loadable checkpoint of --load (model, optimizer,
     data position and engine weights restored, later metrics dropped), else 0 (old metrics moved
     aside)."""
@@ -113,6 +113,12 @@ def resume(cfg, policy, trainer, sync, data, metrics) -> int:
     if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, policy)) is not None:
         ckpt, state = loaded
         trainer.load_state_dict(state["actor"])
+        if critic is not None:
+            if "critic" not in state:
+                raise CheckpointError(
+                    f"{ckpt} has no critic state: it was saved by a run without --advantage-estimator ppo"
+                )
+            critic.load_state_dict(state["critic"])
         data.train.position = state["data_position"]
         sync.push(state["rollout_id"] + 1)  # the engines take the restored weights
         metrics.truncate_after(state["rollout_id"])

@@ -1,0 +1,161 @@
+"""The PPO critic: a value model trained next to the policy on GAE returns.
+
+The value model is the policy's network with its lm_head replaced by a scalar head (zero at
+start, so the first values are 0), by default initialised from the policy's own checkpoint
+(--critic-model loads another). Its value at a response position is V(state before the next
+token): the same positions as the policy's log-probs, from one forward of prompt + response.
+
+Each step (PPO): values of the step's samples from the critic as it is, GAE over the per-token
+rewards (the reward on the last token, minus --kl-coef x KL to the reference where asked) gives
+the advantages (whitened over the batch) and the returns; the critic then trains on the clipped
+value loss 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2), token-mean over the
+global batch, accumulated exactly over micro-batches. The first --critic-warmup rollouts train the
+critic only. The critic computes in the driver's process, also when the policy trains on Ray ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from miles.algo import advantages as estimators
+from miles.algo.losses import value_loss
+from miles.config.schema import RunConfig
+from miles.data.sample import Sample
+from miles.models.transformer import Transformer
+from miles.train.batch import pack_samples
+
+
+def value_model(policy: Transformer, critic_model: str | None, seed: int) -> Transformer:
+    """The critic's network: a copy of `policy` (or the --critic-model checkpoint) with a scalar head."""
+    if critic_model:
+        from miles.models import registry
+
+        model, _ = registry.load(critic_model, seed=seed)
+    else:
+        model = copy.deepcopy(policy)
+    head = nn.Linear(model.config.hidden_size, 1, bias=True)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    model.lm_head = head.to(next(model.parameters()).device)
+    return model.train()
+
+
+def token_values(model: Transformer, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (B, T-1), response mask (B, T-1)) of one forward: V at each position that predicts a
+    response token."""
+    device = next(model.parameters()).device
+    batch = pack_samples(samples).to(device)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask)
+    return out.logits[..., 0], batch.response_mask
+
+
+def _ragged(padded: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    return [row[m.bool()] for row, m in zip(padded, mask)]
+
+
+def _padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    out, mask = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)], mask[i, : len(r)] = r, 1.0
+    return out, mask
+
+
+class Critic:
+    def __init__(self, model: Transformer, cfg: RunConfig) -> None:
+        algo, train_cfg = cfg.algo, cfg.train
+        self.model, self.cfg = model, cfg
+        self.lr = algo.critic_lr or train_cfg.lr
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2)
+        )
+        warmup = algo.critic_lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: (step + 1) / warmup if warmup and step < warmup else 1.0
+        )
+        self.micro = min(train_cfg.micro_batch_size, train_cfg.global_batch_size)
+
+    @torch.no_grad()
+    def values(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Each sample's per-response-token values (CPU)."""
+        out = []
+        for i in range(0, len(samples), self.micro):
+            values, mask = token_values(self.model, samples[i : i + self.micro])
+            out += [v.float().cpu() for v in _ragged(values, mask)]
+        return out
+
+    def advantages(
+        self, samples: Sequence[Sample], kl: Sequence[torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(advantages, returns, values) per sample, by GAE (--gamma, --lambd) on the critic's values."""
+        algo = self.cfg.algo
+        values = self.values(samples)
+        padded_values, mask = _padded(values)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        token_rewards = estimators.last_token_rewards(rewards, mask)
+        if kl is not None and algo.kl_coef > 0:
+            token_rewards = token_rewards - algo.kl_coef * _padded(kl)[0] * mask
+        adv, returns = estimators.gae(token_rewards, padded_values, mask, algo.gamma, algo.lambd)
+        adv = estimators.whiten(adv, mask)  # PPO's batch normalisation of advantages
+        return _ragged(adv, mask), _ragged(returns, mask), values
+
+    def train(
+        self, samples: Sequence[Sample], returns: Sequence[torch.Tensor], old_values: Sequence[torch.Tensor]
+    ) -> dict[str, float]:
+        """One optimizer step on the clipped value loss over the whole batch (exact accumulation)."""
+        self.model.train()
+        total = sum(len(r) for r in returns)
+        device = next(self.model.parameters()).device
+        losses, clipped = 0.0, 0.0
+        for i in range(0, len(samples), self.micro):
+            part = slice(i, i + self.micro)
+            values, mask = token_values(self.model, samples[part])
+            target = torch.zeros_like(values)
+            old = torch.zeros_like(values)
+            for b, (r, v) in enumerate(zip(returns[part], old_values[part])):
+                where = mask[b].bool()
+                target[b, where], old[b, where] = r.to(device), v.to(device)
+            loss, clipfrac = value_loss(values, old, target, mask, self.cfg.algo.value_clip)
+            share = float(mask.sum()) / total  # token-mean over the global batch
+            (loss * share).backward()
+            losses += float(loss.detach()) * share
+            clipped += float(clipfrac) * share
+        clip = self.cfg.train.clip_grad
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        flat_returns, flat_values = torch.cat(list(returns)), torch.cat(list(old_values))
+        return {
+            "value_loss": losses,
+            "value_clipfrac": clipped,
+            "critic_grad_norm": float(norm),
+            "critic_lr": self.scheduler.get_last_lr()[0],
+            "values_mean": float(flat_values.mean()),
+            "returns_mean": float(flat_returns.mean()),
+            "explained_variance": explained_variance(flat_values, flat_returns),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 predicts the mean, < 0 worse."""
+    var = float(returns.var(unbiased=False))
+    return float("nan") if var == 0 else 1.0 - float((returns - values).var(unbiased=False)) / var
