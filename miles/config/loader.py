@@ -342,6 +342,13 @@ def validate(given: RunConfig) -> RunConfig:
     if algo.tis_clip_low > algo.tis_clip:
         raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
     validate_precision(cfg)
+    if rollout.partial_rollout and (cfg.sync.rollout_num_gpus or 1) > 1:
+        raise ConfigError(
+            "--partial-rollout with --rollout-num-gpus > 1: stopping Ray engines mid-rollout is not built yet; "
+            "use one engine (the driver's)"
+        )
+    if rollout.mask_offpolicy_in_partial_rollout and not rollout.partial_rollout:
+        raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     if train.min_lr > train.lr:
         raise ConfigError(f"--min-lr {train.min_lr} is above --lr {train.lr}")
     ckpt, logging_cfg = cfg.checkpoint, cfg.logging

@@ -90,7 +90,14 @@ class RolloutSection:
         "module:function keeping a group (True) or dropping it; 'default' drops groups whose rewards are all equal",
     )
     partial_rollout: bool = option(
-        False, "carry unfinished responses to the next rollout", available="partial rollout is not built yet"
+        False,
+        "stop a rollout once --rollout-batch-size groups are complete (of --over-sampling-batch-size in flight) and "
+        "carry the unfinished responses, tokens and log-probs kept, to the next rollout under the new weights",
+    )
+    mask_offpolicy_in_partial_rollout: bool = option(
+        False,
+        "with --partial-rollout: leave the tokens a carried response got from older weights out of the loss "
+        "(instead of correcting them with --use-tis)",
     )
 
 

@@ -40,6 +40,7 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: np.ndarray | None = None
     weight_versions: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # the weight version of each response token
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

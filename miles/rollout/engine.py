@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -44,6 +44,7 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     routed: list[np.ndarray] = field(default_factory=list)  # per fed chunk: (tokens, layers, k)
     versions: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
 
     @property
@@ -133,6 +134,24 @@ class Engine:
                     bar.update(1)
         bar.close()
         return out  # type: ignore[return-value]
+
+    def generate_until(
+        self, requests: Iterable[Request], enough: Callable[[list[Sample]], bool]
+    ) -> tuple[list[Sample], list[Sample]]:
+        """Run `requests` until `enough(finished so far)` holds, then abort the rest (partial
+        rollout): (finished samples in the order they finished, aborted ones with their tokens,
+        log-probs and routing so far)."""
+        requests = list(requests)
+        for r in requests:
+            self.add_request(r)
+        wanted = {r.uid for r in requests}
+        finished: list[Sample] = []
+        while self.has_work():
+            finished += [s for s in self.step() if s.metadata["request_id"] in wanted]
+            if self.has_work() and enough(finished):
+                self.abort_all()
+                return finished, [s for s in self.step() if s.metadata["request_id"] in wanted]
+        return finished, []
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None, wait: bool = True
@@ -352,6 +371,7 @@ class Engine:
         for s, tok, lp in zip(states, tokens.tolist(), logprobs.tolist()):
             s.response.append(tok)
             s.logprobs.append(lp)
+            s.token_versions.append(self.weight_version)
             if not s.versions or s.versions[-1] != self.weight_version:
                 s.versions.append(self.weight_version)
             stop = self._stop_status(s, tok)
@@ -383,6 +403,7 @@ class Engine:
         sample.loss_mask = [1] * len(s.response)
         sample.status = status
         sample.weight_versions = s.versions
+        sample.token_versions = s.token_versions
         sample.metadata["request_id"] = req.uid
         sample.metadata["finish_reason"] = reason or {"type": "abort"}
         if self.tokenizer is not None:

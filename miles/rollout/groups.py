@@ -15,6 +15,31 @@ from miles.rollout.engine import Request
 from miles.rollout.sampling import SamplingParams
 
 
+def group_requests(
+    engine,
+    item: PromptItem,
+    cfg: RunConfig,
+    rollout_id: int,
+    g: int,
+    n: int,
+    temperature: float,
+    seed_base: int,
+) -> list[Request]:
+    """The n requests of prompt `item`, group `g` of its rollout; each seed depends on (seed,
+    rollout, group, index) alone, so a resumed run draws exactly what the uninterrupted one would."""
+    rollout_cfg = cfg.rollout
+    ids = encode_prompt(engine.tokenizer, item.prompt, cfg.data.apply_chat_template)
+    requests = []
+    for k in range(n):
+        sample = Sample(prompt=item.prompt, label=item.label, metadata=dict(item.metadata))
+        params = SamplingParams(
+            temperature=temperature, top_p=rollout_cfg.rollout_top_p, top_k=rollout_cfg.rollout_top_k,
+            max_new_tokens=rollout_cfg.rollout_max_response_len, seed=hash((seed_base, rollout_id, g, k)) % (2**63),
+        )  # fmt: skip
+        requests.append(Request(ids, params, sample=sample))
+    return requests
+
+
 def generate_groups(
     engine,
     items: list[PromptItem],
@@ -24,28 +49,39 @@ def generate_groups(
     temperature: float,
     seed_base: int,
 ) -> list[list[Sample]]:
-    """n samples per prompt; each request's seed depends on (seed, rollout, index) alone, so a
-    resumed run draws exactly what the uninterrupted one would have."""
-    rollout_cfg = cfg.rollout
-    requests, groups = [], []
-    for g, item in enumerate(items):
-        ids = encode_prompt(engine.tokenizer, item.prompt, cfg.data.apply_chat_template)
-        group = []
-        for k in range(n):
-            sample = Sample(
-                prompt=item.prompt,
-                label=item.label,
-                metadata=dict(item.metadata),
-            )
-            params = SamplingParams(
-                temperature=temperature, top_p=rollout_cfg.rollout_top_p, top_k=rollout_cfg.rollout_top_k,
-                max_new_tokens=rollout_cfg.rollout_max_response_len, seed=hash((seed_base, rollout_id, g, k)) % (2**63),
-            )  # fmt: skip
-            requests.append(Request(ids, params, sample=sample))
-            group.append(sample)
-        groups.append(group)
-    samples = iter(engine.generate(requests))  # the engine's own objects, or copies from a remote one
+    """n samples per prompt, in prompt order."""
+    groups = [
+        group_requests(engine, item, cfg, rollout_id, g, n, temperature, seed_base)
+        for g, item in enumerate(items)
+    ]
+    samples = iter(
+        engine.generate([r for g in groups for r in g])
+    )  # the engine's own objects, or copies from a remote one
     return [[next(samples) for _ in group] for group in groups]
+
+
+def score_and_filter(
+    groups: list[list[Sample]],
+    cfg: RunConfig,
+    rewards: RewardRunner,
+    rollout_id: int,
+    keep_group: Callable | None,
+) -> tuple[list[list[Sample]], dict[str, float]]:
+    """Rewards, the rollout's metrics, and the --dynamic-sampling-filter-path filter."""
+    failed = rewards.score_groups(groups)
+    samples = [s for g in groups for s in g]
+    rewards.check_rollout(failed, len(samples), rollout_id)
+    metrics = {
+        "reward_mean": sum(s.reward for s in samples) / len(samples),
+        "accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
+        "response_len_mean": sum(s.response_length for s in samples) / len(samples),
+        "truncated_frac": sum(s.status.value == "truncated" for s in samples) / len(samples),
+        "reward_failed": failed,
+    }
+    if keep_group is not None:
+        groups, metrics["groups_dropped"] = apply_filter(groups, keep_group)
+    # over-sampling draws extra prompts; the step trains on at most rollout_batch_size of them
+    return groups[: cfg.rollout.rollout_batch_size], metrics
 
 
 def collect_groups(
@@ -66,20 +102,7 @@ def collect_groups(
         rollout_cfg.rollout_temperature,
         rollout_cfg.rollout_seed,
     )
-    failed = rewards.score_groups(groups)
-    samples = [s for g in groups for s in g]
-    rewards.check_rollout(failed, len(samples), rollout_id)
-    metrics = {
-        "reward_mean": sum(s.reward for s in samples) / len(samples),
-        "accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
-        "response_len_mean": sum(s.response_length for s in samples) / len(samples),
-        "truncated_frac": sum(s.status.value == "truncated" for s in samples) / len(samples),
-        "reward_failed": failed,
-    }
-    if keep_group is not None:
-        groups, metrics["groups_dropped"] = apply_filter(groups, keep_group)
-    # over-sampling draws extra prompts; the step trains on at most rollout_batch_size of them
-    return groups[: cfg.rollout.rollout_batch_size], metrics
+    return score_and_filter(groups, cfg, rewards, rollout_id, keep_group)
 
 
 def evaluate(engine, items: list[PromptItem], cfg: RunConfig, rewards: RewardRunner) -> dict[str, float]:

@@ -28,6 +28,7 @@ from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.groups import collect_groups, evaluate
+from miles.rollout.partial import PartialRollout
 from miles.runtime.executors import build_executor
 from miles.runtime.memory import memory_metrics, step_peak_memory
 from miles.runtime.metrics import MetricsLogger, run_dir_for
@@ -216,15 +217,21 @@ class RolloutFeed:
             else None
         )
         self.ahead = None  # with --async-weight-sync: the next rollout, already running
+        self.partial = PartialRollout(cfg) if cfg.rollout.partial_rollout else None
 
     def _collect(self, rollout_id: int):
         # prompts are taken when the rollout starts, in order, so checkpoints know the position
         run, debug = self.run, self.cfg.debug
         if debug.debug_train_only:
             return load_rollout(debug.load_debug_rollout_data, rollout_id)
-        groups, step = collect_groups(
-            run.rollout, run.data.train.take(self.draw), self.cfg, run.rewards, rollout_id, run.keep
-        )
+        if self.partial is not None:
+            groups, step = self.partial.collect(
+                run.rollout, run.data.train.take, run.rewards, rollout_id, run.keep
+            )
+        else:
+            groups, step = collect_groups(
+                run.rollout, run.data.train.take(self.draw), self.cfg, run.rewards, rollout_id, run.keep
+            )
         if debug.save_debug_rollout_data:
             save_rollout(debug.save_debug_rollout_data, rollout_id, groups, step)
         return groups, step

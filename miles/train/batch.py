@@ -74,17 +74,24 @@ def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
     return out
 
 
+def forward_packed(model: Transformer, batch: PackedBatch):
+    """The model's output (B, T-1, ...) for a packed batch (moved to the model's device); each
+    shared prompt is computed once when the batch was packed with share_prompts."""
+    device = model.lm_head.weight.device
+    if batch.input_ids.device != device:
+        batch = batch.to(device)
+    if batch.shared is not None:
+        return shared_prompt_forward(model, batch.shared)
+    return model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
+
+
 def forward_logprobs(
     model: Transformer, batch: PackedBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(logprobs (B, T-1) of each target, logits, model output) for a packed batch (moved to the
     model's device; the results stay there)."""
-    device = model.lm_head.weight.device
-    if batch.input_ids.device != device:
-        batch = batch.to(device)
-    if batch.shared is not None:
-        out = shared_prompt_forward(model, batch.shared)
-    else:
-        out = model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
+    out = forward_packed(model, batch)
+    if batch.targets.device != out.logits.device:
+        batch = batch.to(out.logits.device)
     t = temperature if temperature > 0 else 1.0
     return token_logprobs(out.logits, batch.targets, temperature=t), out.logits, out

@@ -27,7 +27,7 @@ from miles.algo.losses import value_loss
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.models.transformer import Transformer
-from miles.train.batch import pack_samples
+from miles.train.batch import forward_packed, pack_samples
 
 
 def value_model(policy: Transformer, critic_model: str | None, seed: int) -> Transformer:
@@ -45,13 +45,14 @@ def value_model(policy: Transformer, critic_model: str | None, seed: int) -> Tra
     return model.train()
 
 
-def token_values(model: Transformer, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+def token_values(
+    model: Transformer, samples: Sequence[Sample], share_prompts: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values (B, T-1), response mask (B, T-1)) of one forward: V at each position that predicts a
-    response token."""
-    device = next(model.parameters()).device
-    batch = pack_samples(samples).to(device)
-    out = model(batch.input_ids, attention_mask=batch.attention_mask)
-    return out.logits[..., 0], batch.response_mask
+    response token (a group's shared prompt computed once, as for the policy)."""
+    batch = pack_samples(samples, share_prompts=share_prompts)
+    out = forward_packed(model, batch)
+    return out.logits[..., 0], batch.response_mask.to(out.logits.device)
 
 
 def _ragged(padded: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -79,13 +80,14 @@ class Critic:
             self.optimizer, lambda step: (step + 1) / warmup if warmup and step < warmup else 1.0
         )
         self.micro = min(train_cfg.micro_batch_size, train_cfg.global_batch_size)
+        self.share = train_cfg.share_prompts
 
     @torch.no_grad()
     def values(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Each sample's per-response-token values (CPU)."""
         out = []
         for i in range(0, len(samples), self.micro):
-            values, mask = token_values(self.model, samples[i : i + self.micro])
+            values, mask = token_values(self.model, samples[i : i + self.micro], self.share)
             out += [v.float().cpu() for v in _ragged(values, mask)]
         return out
 
@@ -114,7 +116,7 @@ class Critic:
         losses, clipped = 0.0, 0.0
         for i in range(0, len(samples), self.micro):
             part = slice(i, i + self.micro)
-            values, mask = token_values(self.model, samples[part])
+            values, mask = token_values(self.model, samples[part], self.share)
             target = torch.zeros_like(values)
             old = torch.zeros_like(values)
             for b, (r, v) in enumerate(zip(returns[part], old_values[part])):

@@ -1,0 +1,143 @@
+"""Partial rollout (--partial-rollout): stop a rollout once enough groups are finished, and carry
+the unfinished responses over to the next rollout instead of waiting for a few long tails.
+
+Each rollout draws enough new prompts to keep --over-sampling-batch-size groups in flight
+(carried ones included) and stops the engine as soon as --rollout-batch-size groups are complete.
+A response cut off there keeps its tokens, log-probs and routing, and continues in the next rollout
+under the new weights: its prompt is everything it has so far. The pieces are joined, and each
+response token records the weight version that produced it (`Sample.token_versions`). The older
+part is off-policy; --use-tis corrects it, and --mask-offpolicy-in-partial-rollout instead leaves
+it out of the loss. Complete groups beyond what a step trains are carried whole, so every sample is
+trained exactly once. Carried groups live in memory: a run resumed from a checkpoint starts
+without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from miles.config.schema import RunConfig
+from miles.data.prompts import PromptItem
+from miles.data.sample import Sample, Status
+from miles.rewards.runner import RewardRunner
+from miles.rollout.engine import Request
+from miles.rollout.groups import group_requests, score_and_filter
+from miles.rollout.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class _Group:
+    samples: list[Sample | None]  # finished, partial (ABORTED) or None (not started)
+    key: tuple  # (rollout, index) of the rollout that drew its prompt: seeds and identity
+    requests: list[Request] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(s is not None and s.status != Status.ABORTED for s in self.samples)
+
+
+def join(old: Sample, more: Sample, mask_old: bool) -> Sample:
+    """`old` (cut off) followed by `more`, which continued it from old.tokens."""
+    old.tokens = list(more.tokens)
+    old_len = old.response_length
+    old.response_length = old_len + more.response_length
+    old.rollout_log_probs = list(old.rollout_log_probs or []) + list(more.rollout_log_probs or [])
+    old.loss_mask = [0 if mask_old else 1] * old_len + [1] * more.response_length
+    old.token_versions = list(old.token_versions) + list(more.token_versions)
+    old.weight_versions = list(old.weight_versions) + [
+        v for v in more.weight_versions if not old.weight_versions or v != old.weight_versions[-1]
+    ]
+    old.rollout_routed_experts = more.rollout_routed_experts  # every position, from the last pass
+    old.response = (old.response or "") + (more.response or "")
+    old.status = more.status
+    old.metadata["partial_resumes"] = old.metadata.get("partial_resumes", 0) + 1
+    return old
+
+
+class PartialRollout:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.carried: list[_Group] = []
+
+    def _continue(self, group: _Group, rollout_id: int, g: int) -> list[Request]:
+        """Requests that continue each cut-off sample of a carried group from its tokens so far."""
+        rollout_cfg = self.cfg.rollout
+        requests = []
+        for k, s in enumerate(group.samples):
+            if s is None or s.status != Status.ABORTED:
+                continue
+            params = SamplingParams(
+                temperature=rollout_cfg.rollout_temperature, top_p=rollout_cfg.rollout_top_p,
+                top_k=rollout_cfg.rollout_top_k,
+                max_new_tokens=rollout_cfg.rollout_max_response_len - s.response_length,
+                seed=hash((rollout_cfg.rollout_seed, rollout_id, g, k, "continue")) % (2**63),
+            )  # fmt: skip
+            request = Request(list(s.tokens), params)
+            request.continues = k  # type: ignore[attr-defined]
+            requests.append(request)
+        return requests
+
+    def collect(
+        self,
+        engine,
+        take: Callable[[int], list[PromptItem]],
+        rewards: RewardRunner,
+        rollout_id: int,
+        keep_group: Callable | None,
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
+        cfg, rollout_cfg = self.cfg, self.cfg.rollout
+        n, want = rollout_cfg.n_samples_per_prompt, rollout_cfg.rollout_batch_size
+        in_flight = max(rollout_cfg.over_sampling_batch_size or want, want)
+        groups = list(self.carried)
+        carried_samples = sum(s is not None and s.status == Status.ABORTED for g in groups for s in g.samples)
+        for i, item in enumerate(take(max(0, in_flight - len(groups)))):
+            requests = group_requests(
+                engine, item, cfg, rollout_id, i, n, rollout_cfg.rollout_temperature, rollout_cfg.rollout_seed
+            )
+            groups.append(_Group([None] * n, (rollout_id, i), requests))
+        requests, slot = [], {}  # slot: id(request) -> (group, sample index)
+        for g, group in enumerate(groups):
+            todo = group.requests or self._continue(group, rollout_id, g)
+            for k, r in enumerate(todo):
+                slot[id(r)] = (group, getattr(r, "continues", k))
+            requests += todo
+            group.requests = []
+        by_uid: dict[int, tuple[_Group, int]] = {}  # filled once the engine has numbered the requests
+        mask_old = rollout_cfg.mask_offpolicy_in_partial_rollout
+        placed: list[Sample] = []
+        done = [g for g in groups if g.complete]  # carried whole from the last rollout: trained first
+
+        def place(sample: Sample) -> _Group:
+            if not by_uid:
+                by_uid.update({r.uid: slot[id(r)] for r in requests})
+            group, k = by_uid[sample.metadata["request_id"]]
+            before = group.samples[k]
+            if before is not None and before.status == Status.ABORTED:
+                # continued: join the pieces; cut off again before a new token: keep what it had
+                sample = join(before, sample, mask_old) if sample.response_length else before
+            group.samples[k] = sample
+            return group
+
+        def enough(finished: list[Sample]) -> bool:
+            for sample in finished[len(placed) :]:
+                placed.append(sample)
+                group = place(sample)
+                if group.complete and group not in done:
+                    done.append(group)
+            return len(done) >= want
+
+        finished, aborted = engine.generate_until(requests, enough)
+        enough(finished)
+        for sample in aborted:
+            place(sample)
+        train_groups = done[:want]
+        self.carried = [g for g in groups if g not in train_groups]
+        batch = [list(g.samples) for g in train_groups]
+        out, metrics = score_and_filter(batch, cfg, rewards, rollout_id, keep_group)
+        metrics["partial_carried_samples"] = sum(
+            s is not None and s.status == Status.ABORTED for g in self.carried for s in g.samples
+        )
+        metrics["partial_resumed_samples"] = carried_samples
+        metrics["partial_groups_carried"] = len(self.carried)
+        return out, metrics

@@ -1,0 +1,61 @@
+"""Partial rollout: a rollout stops at enough complete groups, cut-off responses continue in the
+next one, every sample is trained exactly once, and each token's weight version is recorded."""
+
+from __future__ import annotations
+
+from miles.config import load_config
+from miles.data.sample import Sample, Status
+from miles.rollout.partial import join
+from tests.conftest import small_run_args
+
+
+def test_join_concatenates_the_pieces_and_masks_the_old_part_when_asked():
+    old = Sample(
+        tokens=[1, 2, 3, 4], response_length=2, rollout_log_probs=[-0.1, -0.2], status=Status.ABORTED
+    )
+    old.token_versions, old.weight_versions = [0, 0], [0]
+    more = Sample(tokens=[1, 2, 3, 4, 5, 6, 7], response_length=3, rollout_log_probs=[-0.3, -0.4, -0.5])
+    more.token_versions, more.weight_versions, more.status = [1, 1, 1], [1], Status.COMPLETED
+    joined = join(old, more, mask_old=True)
+    assert (
+        joined.tokens == [1, 2, 3, 4, 5, 6, 7] and joined.prompt_length == 2 and joined.response_length == 5
+    )
+    assert joined.rollout_log_probs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert joined.token_versions == [0, 0, 1, 1, 1] and joined.weight_versions == [0, 1]
+    assert joined.loss_mask == [0, 0, 1, 1, 1] and joined.status == Status.COMPLETED
+
+
+def test_partial_rollout_trains_each_sample_once_with_its_token_versions(tmp_path, monkeypatch):
+    from miles.runtime import loop
+    from miles.runtime.metrics import read_metrics
+
+    trained: list[tuple[int, list[Sample]]] = []
+    real = loop.train_and_sync
+
+    def spy(run, groups, rollout_id, profiler):
+        trained.append((rollout_id, [s for g in groups for s in g]))
+        return real(run, groups, rollout_id, profiler)
+
+    monkeypatch.setattr(loop, "train_and_sync", spy)
+    flags = ["--partial-rollout", "--over-sampling-batch-size", "8", "--rollout-max-response-len", "40",
+             "--rollout-temperature", "1.0", "--eval-size", "0"]  # fmt: skip
+    loop.train(load_config(small_run_args(tmp_path, 4) + flags))
+    metrics = read_metrics(tmp_path)
+    assert all(m["train_samples"] == 16 for m in metrics)  # rollout_batch_size x n, every step
+    everything = [s for _, samples in trained for s in samples]
+    assert len({id(s) for s in everything}) == len(everything)  # trained exactly once
+    resumed = [(step, s) for step, samples in trained for s in samples if s.metadata.get("partial_resumes")]
+    assert resumed and sum(m["partial_resumed_samples"] for m in metrics) > 0
+    for step, s in resumed:
+        assert len(s.token_versions) == len(s.rollout_log_probs) == s.response_length
+        assert s.token_versions == sorted(
+            s.token_versions
+        )  # generated in order, never by older weights later
+        # began under older weights; ended by this step (a group completed early waits one step, whole)
+        assert s.token_versions[0] < s.token_versions[-1] <= step
+        assert s.weight_versions == sorted(set(s.token_versions))
+        assert s.rollout_routed_experts.shape[0] == len(s.tokens) - 1  # routing for every position
+        assert s.loss_mask == [1] * s.response_length  # corrected by TIS, not masked
+    for step, samples in trained:  # every token of a step's samples came from weights up to that step
+        assert all(max(s.token_versions) <= step for s in samples)
+        assert any(max(s.token_versions) == step for s in samples)
