@@ -115,7 +115,9 @@ def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
     assert symptoms(fixed)[0] == set()
     assert load_run(fixed).median("tis_clipfrac") < THRESHOLDS["tis_clipfrac"]
     # unified FP8 removes the mismatch itself, with neither correction
-    unified = run_job(runs, "fp8-unified", "--fp8-recipe", "blockwise", "--no-use-r3", "--no-use-tis")
+    unified = run_job(
+        runs, "fp8-unified", "--fp8-recipe", "blockwise", "--no-use-r3", "--no-use-tis", steps=3
+    )
     assert symptoms(unified)[0] == set()
     assert load_run(unified).median("kl_rollout_train_k3") < THRESHOLDS["mismatch_k3"] / 100
 

@@ -23,6 +23,9 @@ PANELS = [
         ["mem_driver_peak_rss_gb", "mem_train_peak_rss_gb", "mem_rollout_peak_rss_gb"],
     ),  # per-step peak GB
     ("loss", ["pg_loss", "entropy"]),
+    ("tis", ["tis_clipfrac", "pg_clipfrac"]),
+    ("fp8", ["fp8_flush_frac", "fp8_saturation_frac", "fp8_enabled"]),  # unified FP8, per step
+    ("critic", ["value_loss", "explained_variance"]),  # PPO
 ]
 
 
