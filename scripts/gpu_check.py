@@ -135,13 +135,15 @@ def cuda_ipc_between_processes() -> None:
     )
 
 
-def default_job_on_cuda(extra: list[str], name: str) -> None:
+def default_job_on_cuda(extra: list[str], name: str, check_weights: bool = True) -> None:
     from miles.config import load_config
     from miles.runtime.loop import train
 
     out = Path(tempfile.mkdtemp())
     args = ["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "25", "--eval-interval", "0",
-            "--no-progress", "--device", "cuda", "--output-dir", str(out), "--check-weight-update-equal", *extra]  # fmt: skip
+            "--no-progress", "--device", "cuda", "--output-dir", str(out), *extra]  # fmt: skip
+    if check_weights:  # FP8 engines store codes, not the trainer's weights: nothing to compare bit for bit
+        args.append("--check-weight-update-equal")
     t0 = time.perf_counter()
     train(load_config(args))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -176,16 +178,46 @@ def fp8_rollout_cuda_vs_cpu() -> None:
         )
 
 
+def fp8_trainer_cuda_vs_cpu() -> None:
+    """The trainer's FP8 layer (STE forward, E5M2 gradients with hybrid) on cuda = cpu, gradients included."""
+    from miles.quant.linear import FP8Linear, FP8Spec
+
+    torch.manual_seed(0)
+    linear, x, g = torch.nn.Linear(576, 320), torch.randn(7, 576), torch.randn(7, 320)
+    spec = FP8Spec("blockwise", fmt="hybrid")
+    cpu_layer, gpu_layer = (
+        FP8Linear(copy.deepcopy(linear), spec),
+        FP8Linear(copy.deepcopy(linear).cuda(), spec),
+    )
+    cpu_layer(x).backward(g)
+    gpu_layer(x.cuda()).backward(g.cuda())
+    err = float((cpu_layer.weight.grad - gpu_layer.weight.grad.cpu()).abs().max())
+    scale = float(cpu_layer.weight.grad.abs().max())
+    check(
+        "FP8 trainer linear (hybrid) gradient cuda vs cpu",
+        err < 1e-3 * scale,
+        f"max |diff| {err:.2e} of {scale:.2e}",
+    )
+
+
 def main() -> None:
     check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
     engine_cuda_vs_cpu("tiny")
     engine_cuda_vs_cpu("smollm2")
     train_step_cuda_vs_cpu()
     fp8_rollout_cuda_vs_cpu()
+    fp8_trainer_cuda_vs_cpu()
     cuda_ipc_between_processes()
     default_job_on_cuda([], "default job, --device cuda")
     default_job_on_cuda(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync")
     default_job_on_cuda(["--colocate"], "default job, --device cuda --colocate")
+    default_job_on_cuda(
+        ["--fp8-recipe", "blockwise"], "default job, --device cuda, unified FP8", check_weights=False
+    )
+    default_job_on_cuda(
+        ["--fp8-recipe", "tensorwise"], "default job, unified FP8 tensorwise (_scaled_mm engine)", False
+    )
+    default_job_on_cuda(["--advantage-estimator", "ppo"], "default job, --device cuda, PPO with a critic")
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)
         (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate"], "Ray 2 ranks (NCCL) colocated"),

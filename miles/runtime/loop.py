@@ -29,6 +29,7 @@ from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.groups import collect_groups, evaluate
 from miles.rollout.partial import PartialRollout
+from miles.runtime.devices import resolve_device
 from miles.runtime.executors import build_executor
 from miles.runtime.memory import memory_metrics, step_peak_memory
 from miles.runtime.metrics import MetricsLogger, run_dir_for
@@ -95,7 +96,10 @@ def train(cfg: RunConfig) -> Path:
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
     critic = None
     if cfg.algo.advantage_estimator == "ppo":  # from the policy as loaded, before any training or FP8
-        critic = Critic(value_model(policy, cfg.algo.critic_model, cfg.train.seed), cfg)
+        device = resolve_device(
+            cfg.model.device
+        )  # the driver's device (on Ray too: critic ranks are not built)
+        critic = Critic(value_model(policy, cfg.algo.critic_model, cfg.train.seed).to(device), cfg)
     try:
         executor = build_executor(cfg, policy, tokenizer, max_seq_len)
         try:
