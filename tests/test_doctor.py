@@ -196,3 +196,22 @@ def test_env_report(capsys):
     assert report["model"]["linear_input_sizes"] == [128]  # tiny's hidden and expert sizes
     assert report["model"]["int4_group_sizes"] == [32, 64, 128]
     assert report["shared_memory"]["dev_shm_total_gb"] > 0
+
+
+def test_a_reward_drop_within_sampling_noise_is_not_a_collapse(tmp_path):
+    """The same fall (0.5 -> 0.2) is a collapse over 256 samples a step, noise over 4."""
+    from miles.doctor.checks import CHECKS
+
+    def record(samples_per_step: int):
+        rewards = [0.5, 0.5, 0.45, 0.5, 0.2, 0.2]
+        run = tmp_path / str(samples_per_step)
+        run.mkdir()
+        lines = [
+            json.dumps({"rollout": i, "reward_mean": r, "train_samples": samples_per_step})
+            for i, r in enumerate(rewards)
+        ]
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        return load_run(run)
+
+    assert CHECKS["reward_collapse"].run(record(256), None) is not None
+    assert CHECKS["reward_collapse"].run(record(4), None) is None

@@ -20,6 +20,7 @@ THRESHOLDS = {
     "grad_spike_ratio": 10.0,  # grad_norm above this multiple of the median of the steps before it
     "collapse_fraction": 0.5,  # reward fell below half of its best (smoothed)
     "collapse_min_best": 0.1,  # ... from a best of at least this (a run that never learned cannot collapse)
+    "collapse_noise_sigmas": 3.0,  # ... by more than this many standard errors of a window's mean reward
     "mismatch_k3": 2e-4,  # median K3 KL(rollout || train) per token: twice a bf16 engine (~1.2e-4); FP8 ~0.06
     "mismatch_abs": 0.1,  # median mean |logp_train - logp_rollout| (slime's bound)
     "tis_clipfrac": 0.05,  # median fraction of tokens TIS truncates or masks
@@ -226,6 +227,12 @@ def reward_collapse(run: RunRecord, compare: RunRecord | None):
     floor = best * (1 - THRESHOLDS["collapse_fraction"])
     last = rewards[-k:]
     if best < THRESHOLDS["collapse_min_best"] or max(last) >= floor:
+        return None
+    # and beyond sampling noise: a window's mean of n rewards in [0, 1] varies by about
+    # sqrt(p (1 - p) / n); small batches fall by half by chance (seen with 16 samples a step)
+    n = k * (run.median("train_samples") or 1)
+    noise = math.sqrt(max(best * (1 - best), 0.01) / n)
+    if best - sum(last) / k < THRESHOLDS["collapse_noise_sigmas"] * noise:
         return None
     steps = [s for s, _ in run.series("reward_mean")]
     evidence = [
