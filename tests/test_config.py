@@ -91,6 +91,16 @@ def test_every_guide_flag_is_listed_in_help():
             "--fp8-rollout-only with --rollout-num-gpus-per-engine > 1",
         ),
         (["--async-weight-sync", "--max-staleness", "0"], "--max-staleness must be >= 1"),
+        (
+            ["--partial-rollout", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
+            "--partial-rollout with --rollout-num-gpus-per-engine > 1",
+        ),
+        (
+            ["--mask-offpolicy-in-partial-rollout"],
+            "--mask-offpolicy-in-partial-rollout needs --partial-rollout",
+        ),
+        (["--critic-lr", "1e-4"], "--critic-lr sets up the PPO critic; add --advantage-estimator ppo"),
+        (["--advantage-estimator", "ppo", "--critic-warmup", "100"], "leaves no rollout of the 100"),
         (["--offload-experts"], "--offload-experts is not available yet"),
         (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
         (["--task", "basic_arithmetic", "--prompt-data", "x.jsonl"], "--task or --prompt-data, not both"),

@@ -342,10 +342,10 @@ def validate(given: RunConfig) -> RunConfig:
     if algo.tis_clip_low > algo.tis_clip:
         raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
     validate_precision(cfg)
-    if rollout.partial_rollout and (cfg.sync.rollout_num_gpus or 1) > 1:
+    if rollout.partial_rollout and cfg.sync.rollout_num_gpus_per_engine > 1:
         raise ConfigError(
-            "--partial-rollout with --rollout-num-gpus > 1: stopping Ray engines mid-rollout is not built yet; "
-            "use one engine (the driver's)"
+            "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "
+            "mid-rollout is not built yet; use one device per engine"
         )
     if rollout.mask_offpolicy_in_partial_rollout and not rollout.partial_rollout:
         raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")

@@ -233,6 +233,11 @@ class Engine:
         """Finish every waiting and running request as ABORTED at the next step."""
         self._abort = True
 
+    def clear_abort(self) -> None:
+        """Forget an abort that found nothing left to stop (else it would stop the next requests)."""
+        with self._step_lock:
+            self._abort = False
+
     # ---- the step ----
 
     def step(self) -> list[Sample]:

@@ -8,8 +8,9 @@ under the new weights: its prompt is everything it has so far. The pieces are jo
 response token records the weight version that produced it (`Sample.token_versions`). The older
 part is off-policy; --use-tis corrects it, and --mask-offpolicy-in-partial-rollout instead leaves
 it out of the loss. Complete groups beyond what a step trains are carried whole, so every sample is
-trained exactly once. Carried groups live in memory: a run resumed from a checkpoint starts
-without them.
+trained exactly once. On Ray engines the driver polls each engine for finished samples and stops
+them all (`RolloutManager.generate_until`). Carried groups live in memory: a run resumed from a
+checkpoint starts without them.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def join(old: Sample, more: Sample, mask_old: bool) -> Sample:
     old.rollout_routed_experts = more.rollout_routed_experts  # every position, from the last pass
     old.response = (old.response or "") + (more.response or "")
     old.status = more.status
-    old.metadata["partial_resumes"] = old.metadata.get("partial_resumes", 0) + 1
+    if old_len:  # a request aborted before its first token was not really cut off
+        old.metadata["partial_resumes"] = old.metadata.get("partial_resumes", 0) + 1
     return old
 
 
@@ -78,40 +80,32 @@ class PartialRollout:
             requests.append(request)
         return requests
 
-    def collect(
-        self,
-        engine,
-        take: Callable[[int], list[PromptItem]],
-        rewards: RewardRunner,
-        rollout_id: int,
-        keep_group: Callable | None,
-    ) -> tuple[list[list[Sample]], dict[str, float]]:
+    def _generate(self, engine, take, groups: list[_Group], done: list[_Group], rollout_id: int) -> None:
+        """Top the groups up with new prompts, run new and carried requests until enough groups
+        are complete (appended to `done`), and leave every sample in its group: finished or cut off."""
         cfg, rollout_cfg = self.cfg, self.cfg.rollout
         n, want = rollout_cfg.n_samples_per_prompt, rollout_cfg.rollout_batch_size
         in_flight = max(rollout_cfg.over_sampling_batch_size or want, want)
-        groups = list(self.carried)
-        carried_samples = sum(s is not None and s.status == Status.ABORTED for g in groups for s in g.samples)
         for i, item in enumerate(take(max(0, in_flight - len(groups)))):
-            requests = group_requests(
-                engine, item, cfg, rollout_id, i, n, rollout_cfg.rollout_temperature, rollout_cfg.rollout_seed
-            )
+            temperature, seed = rollout_cfg.rollout_temperature, rollout_cfg.rollout_seed
+            requests = group_requests(engine, item, cfg, rollout_id, i, n, temperature, seed)
             groups.append(_Group([None] * n, (rollout_id, i), requests))
-        requests, slot = [], {}  # slot: id(request) -> (group, sample index)
+        # slot[i]: (group, sample index) of request i, named in its sample's metadata
+        requests, slot = [], []
         for g, group in enumerate(groups):
             todo = group.requests or self._continue(group, rollout_id, g)
             for k, r in enumerate(todo):
-                slot[id(r)] = (group, getattr(r, "continues", k))
+                if r.sample is None:
+                    r.sample = Sample()
+                r.sample.metadata["partial_slot"] = len(slot)  # survives a trip to a Ray engine and back
+                slot.append((group, getattr(r, "continues", k)))
             requests += todo
             group.requests = []
-        by_uid: dict[int, tuple[_Group, int]] = {}  # filled once the engine has numbered the requests
         mask_old = rollout_cfg.mask_offpolicy_in_partial_rollout
         placed: list[Sample] = []
-        done = [g for g in groups if g.complete]  # carried whole from the last rollout: trained first
 
         def place(sample: Sample) -> _Group:
-            if not by_uid:
-                by_uid.update({r.uid: slot[id(r)] for r in requests})
-            group, k = by_uid[sample.metadata["request_id"]]
+            group, k = slot[sample.metadata.pop("partial_slot")]
             before = group.samples[k]
             if before is not None and before.status == Status.ABORTED:
                 # continued: join the pieces; cut off again before a new token: keep what it had
@@ -131,6 +125,21 @@ class PartialRollout:
         enough(finished)
         for sample in aborted:
             place(sample)
+
+    def collect(
+        self,
+        engine,
+        take: Callable[[int], list[PromptItem]],
+        rewards: RewardRunner,
+        rollout_id: int,
+        keep_group: Callable | None,
+    ) -> tuple[list[list[Sample]], dict[str, float]]:
+        cfg, want = self.cfg, self.cfg.rollout.rollout_batch_size
+        groups = list(self.carried)
+        carried_samples = sum(s is not None and s.status == Status.ABORTED for g in groups for s in g.samples)
+        done = [g for g in groups if g.complete]  # carried whole from the last rollout: trained first
+        if len(done) < want:  # else this step trains carried groups only and the engine rests
+            self._generate(engine, take, groups, done, rollout_id)
         train_groups = done[:want]
         self.carried = [g for g in groups if g not in train_groups]
         batch = [list(g.samples) for g in train_groups]

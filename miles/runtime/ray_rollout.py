@@ -19,7 +19,8 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from miles.data.sample import Sample
+from miles.data.sample import Sample, Status
+from miles.errors import MilesError
 from miles.rollout.engine import Request
 from miles.sync.buckets import BucketMeta, SyncIntegrityError, unpack_bucket
 from miles.sync.object_store import from_object_store, put_buckets
@@ -95,6 +96,35 @@ class EngineActor:
 
     def generate(self, requests: list[Request]) -> list[Sample]:
         return self.engine.generate(requests)
+
+    def start(self, requests: list[Request]) -> None:
+        """Partial rollout: run `requests` on a thread of this actor; `poll` and `stop` follow them."""
+        import threading
+
+        self._finished, self._taken = [], 0
+
+        def run() -> None:
+            for r in requests:
+                self.engine.add_request(r)
+            while self.engine.has_work():
+                self._finished += self.engine.step()
+
+        self._thread = threading.Thread(target=run, name="miles-partial-rollout", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> tuple[list[Sample], bool]:
+        """The samples finished since the last poll, and whether every request has ended."""
+        done = not self._thread.is_alive()
+        new = self._finished[self._taken :]
+        self._taken += len(new)
+        return new, done
+
+    def stop(self) -> list[Sample]:
+        """Abort what still runs (tokens so far kept); the samples not polled yet."""
+        self.engine.abort_all()
+        self._thread.join()
+        self.engine.clear_abort()  # the requests may all have ended before the abort was seen
+        return self.poll()[0]
 
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
         with self.engine.paused():  # all buckets land between the same two decoding steps
@@ -364,6 +394,32 @@ class RolloutManager:
         if self._buckets:
             return [a.update_weights.remote(self._buckets, self.version) for a in actors]
         return [a.pid.remote() for a in actors]
+
+    def generate_until(self, requests: Sequence[Request], enough) -> tuple[list[Sample], list[Sample]]:
+        """Partial rollout over the engines: run `requests` until `enough(finished so far)` holds,
+        polling the engines, then abort the rest: (finished, aborted with their tokens so far).
+        An engine that dies here stops the run (resume from the last checkpoint); whole rollouts
+        (`generate`) restart it instead."""
+        chunks = split_by_prompt(requests, len(self.engines))
+        work = [(g[0], [requests[j] for j in c]) for g, c in zip(self.engines, chunks) if c]
+        finished: list[Sample] = []
+        try:
+            ray.get([actor.start.remote(chunk) for actor, chunk in work])
+            while True:
+                polls = ray.get([actor.poll.remote() for actor, _ in work])
+                finished += [s for new, _ in polls for s in new]
+                if all(done for _, done in polls):
+                    return finished, []
+                if enough(finished):
+                    rest = [s for part in ray.get([actor.stop.remote() for actor, _ in work]) for s in part]
+                    finished += [s for s in rest if s.status != Status.ABORTED]
+                    return finished, [s for s in rest if s.status == Status.ABORTED]
+                time.sleep(0.005)
+        except (RayActorError, RayTaskError) as e:
+            raise MilesError(
+                f"a rollout engine died during a partial rollout ({type(e).__name__}); the run stops here. Resume "
+                "from the last checkpoint with --load"
+            ) from e
 
     def generate(self, requests: Sequence[Request]) -> list[Sample]:
         """All samples, in request order, whatever happens to the actors on the way."""
