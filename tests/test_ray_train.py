@@ -395,3 +395,34 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
     assert [r["rollout"] for r in rows] == list(range(6))
     assert all(r["train_samples"] == 16 and "pg_loss" in r for r in rows)  # 4 prompts x 4 samples
     assert rows[0]["engine_restarts"] == 0 and rows[-1]["engine_restarts"] >= 1
+
+
+def test_ppo_critic_on_two_ranks_matches_the_local_run(ray_cluster, tmp_path):
+    """--advantage-estimator ppo on 2 training ranks: each rank trains a critic replica on its
+    shard (gradients averaged, loss a token-mean over the global batch), and every loss, value and
+    gradient norm equals the one-process run's; the checkpoint carries rank 0's critic."""
+    import torch
+
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+    from tests.conftest import small_run_args
+
+    ppo = ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--eval-size", "0"]
+    train(load_config(small_run_args(tmp_path / "local", 2) + ppo))
+    save = tmp_path / "ckpt"
+    train(
+        load_config(
+            small_run_args(tmp_path / "ray", 2)
+            + ppo
+            + ["--actor-num-gpus-per-node", "2", "--save", str(save)]
+        )
+    )
+    local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    assert_same_run(local, distributed)
+    for a, b in zip(local, distributed):
+        for key in ("value_loss", "value_clipfrac", "critic_grad_norm", "values_mean", "explained_variance"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["rollout"], key)
+    assert local[1]["values_mean"] != 0.0  # the critic learned something to compare
+    state = torch.load(next(save.glob("iter_*")) / "trainer_state.pt", weights_only=False)
+    assert "lm_head.weight" in state["critic"]["model"] and state["critic"]["optimizer"]["state"]

@@ -31,6 +31,15 @@ class Executor:
     sync: WeightSync
 
 
+def on_ray(cfg: RunConfig) -> bool:
+    """Whether training and rollout run in Ray actors: more than one training rank or engine device."""
+    sync_cfg = cfg.sync
+    return (
+        sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node > 1
+        or (sync_cfg.rollout_num_gpus or 1) > 1
+    )
+
+
 def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Executor:
     """The trainer/rollout pair for --actor-num-nodes x --actor-num-gpus-per-node training ranks
     and --rollout-num-gpus engine devices, and the weight sync between them."""
@@ -39,7 +48,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
         sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,
         sync_cfg.rollout_num_gpus or 1,
     )
-    if ranks > 1 or devices > 1:
+    if on_ray(cfg):
         return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device
     if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts (one process only)

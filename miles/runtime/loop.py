@@ -30,7 +30,7 @@ from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.groups import collect_groups, evaluate
 from miles.rollout.partial import PartialRollout
 from miles.runtime.devices import resolve_device
-from miles.runtime.executors import build_executor
+from miles.runtime.executors import build_executor, on_ray
 from miles.runtime.memory import memory_metrics, step_peak_memory
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
@@ -59,7 +59,7 @@ class Run:
     metrics: MetricsLogger
     run_dir: Path
     precision_mode: str = ""  # bf16 | fp8 of the FP8 layers now (see switch_precision)
-    critic: Critic | None = None  # --advantage-estimator ppo
+    critic: Critic | None = None  # --advantage-estimator ppo (a RayCritic on Ray ranks)
 
 
 def train(cfg: RunConfig) -> Path:
@@ -95,13 +95,15 @@ def train(cfg: RunConfig) -> Path:
         )
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
     critic = None
-    if cfg.algo.advantage_estimator == "ppo":  # from the policy as loaded, before any training or FP8
-        device = resolve_device(
-            cfg.model.device
-        )  # the driver's device (on Ray too: critic ranks are not built)
-        critic = Critic(value_model(policy, cfg.algo.critic_model, cfg.train.seed).to(device), cfg)
+    if cfg.algo.advantage_estimator == "ppo" and not on_ray(cfg):  # from the policy as loaded, before FP8
+        model = value_model(policy, cfg.algo.critic_model, cfg.train.seed)
+        critic = Critic(model.to(resolve_device(cfg.model.device)), cfg)
     try:
         executor = build_executor(cfg, policy, tokenizer, max_seq_len)
+        if cfg.algo.advantage_estimator == "ppo" and critic is None:  # the training ranks hold it
+            from miles.runtime.ray_train import RayCritic
+
+            critic = RayCritic(executor.trainer, cfg)
         try:
             run_dir = run_dir_for(cfg)
             logging_cfg = cfg.logging

@@ -87,6 +87,14 @@ class TrainerActor(GroupSender):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
         torch.manual_seed(cfg.train.seed)
         policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
+        self.critic = None
+        if cfg.algo.advantage_estimator == "ppo":  # a critic replica on every rank, data-parallel
+            from miles.train.critic import Critic, value_model
+
+            self.critic = Critic(
+                value_model(policy, cfg.algo.critic_model, cfg.train.seed).to(device), cfg, world
+            )
+            self.critic.grad_sync = lambda finite: all_reduce_gradients(self.critic.model, finite)
         from miles.quant.convert import prepare_train_model
 
         prepare_train_model(policy, cfg)  # unified FP8: FP8 forward GEMMs over fp32 master weights
@@ -169,6 +177,29 @@ class TrainerActor(GroupSender):
 
     def set_precision(self, mode: str) -> None:
         self.actor.set_precision(mode)
+
+    def critic_values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        return self.critic.values(samples)
+
+    def critic_step(self, samples, returns, values, total: int) -> dict[str, float]:
+        return self.critic.step(samples, returns, values, total)
+
+    def critic_state(self) -> dict:
+        """The critic's weights and optimizer state, on CPU (the driver may have no GPU)."""
+
+        def cpu(x):
+            if isinstance(x, torch.Tensor):
+                return x.cpu()
+            if isinstance(x, dict):
+                return {k: cpu(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [cpu(v) for v in x]
+            return x
+
+        return cpu(self.critic.state_dict())
+
+    def load_critic_state(self, state: dict) -> None:
+        self.critic.load_state_dict(state)
 
     def onload(self) -> int:
         return self.actor.onload()
@@ -344,3 +375,48 @@ class RayTrainer:
     def load_state_dict(self, state: dict) -> None:
         model_state = self.policy.state_dict()
         ray.get(self._submit(lambda: [r.load.remote(model_state, state) for r in self.ranks]))
+
+
+class RayCritic:
+    """The PPO critic on the training ranks: each rank's process holds a replica on its device and
+    trains it data-parallel on its shard of the batch (gradients averaged over the ranks, the loss
+    a token-mean over the global batch), so the critic is placed as the training ranks are,
+    colocated with engines or not. The same interface as the local `Critic`."""
+
+    def __init__(self, trainer: RayTrainer, cfg) -> None:
+        self.trainer, self.cfg = trainer, cfg
+
+    def _shards(self, *lists):
+        world = self.trainer.world
+        if len(lists[0]) % world:
+            raise ValueError(f"{len(lists[0])} samples do not split over {world} training ranks")
+        return zip(self.trainer.ranks, *(split_evenly(list(x), world) for x in lists))
+
+    def values(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        shards = list(self._shards(samples))
+        parts = ray.get(self.trainer._submit(lambda: [r.critic_values.remote(s) for r, s in shards]))
+        return [v for part in parts for v in part]
+
+    def advantages(self, samples: Sequence[Sample], kl=None):
+        from miles.train.critic import gae_advantages
+
+        values = self.values(samples)
+        return (*gae_advantages(samples, values, self.cfg, kl), values)
+
+    def train(self, samples, returns, values) -> dict[str, float]:
+        from miles.train.critic import value_stats
+
+        total = sum(len(r) for r in returns)
+        shards = list(self._shards(samples, returns, values))
+        parts = ray.get(
+            self.trainer._submit(lambda: [r.critic_step.remote(s, t, v, total) for r, s, t, v in shards])
+        )
+        metrics = {k: sum(p[k] for p in parts) for k in ("value_loss", "value_clipfrac")}  # each rank's part
+        metrics.update(critic_grad_norm=parts[0]["critic_grad_norm"], critic_lr=parts[0]["critic_lr"])
+        return {**metrics, **value_stats(values, returns)}
+
+    def state_dict(self) -> dict:
+        return ray.get(self.trainer.ranks[0].critic_state.remote())
+
+    def load_state_dict(self, state: dict) -> None:
+        ray.get([r.load_critic_state.remote(state) for r in self.trainer.ranks])

@@ -10,14 +10,15 @@ rewards (the reward on the last token, minus --kl-coef x KL to the reference whe
 the advantages (whitened over the batch) and the returns; the critic then trains on the clipped
 value loss 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2), token-mean over the
 global batch, accumulated exactly over micro-batches. The first --critic-warmup rollouts train the
-critic only. The critic computes in the driver's process, also when the policy trains on Ray ranks.
+critic only. On Ray training ranks each rank holds a replica (`miles.runtime.ray_train.RayCritic`)
+and trains it data-parallel on its shard; in one process it lives next to the policy.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -68,7 +69,8 @@ def _padded(rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Critic:
-    def __init__(self, model: Transformer, cfg: RunConfig) -> None:
+    def __init__(self, model: Transformer, cfg: RunConfig, world: int = 1) -> None:
+        """`world`: data-parallel ranks holding a replica, each training on its share of a batch."""
         algo, train_cfg = cfg.algo, cfg.train
         self.model, self.cfg = model, cfg
         self.lr = algo.critic_lr or train_cfg.lr
@@ -79,8 +81,10 @@ class Critic:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: (step + 1) / warmup if warmup and step < warmup else 1.0
         )
-        self.micro = min(train_cfg.micro_batch_size, train_cfg.global_batch_size)
+        self.world = world
+        self.micro = min(train_cfg.micro_batch_size, train_cfg.global_batch_size // world)
         self.share = train_cfg.share_prompts
+        self.grad_sync: Callable[[bool], bool] | None = None  # set by a data-parallel rank
 
     @torch.no_grad()
     def values(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -95,23 +99,28 @@ class Critic:
         self, samples: Sequence[Sample], kl: Sequence[torch.Tensor] | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(advantages, returns, values) per sample, by GAE (--gamma, --lambd) on the critic's values."""
-        algo = self.cfg.algo
         values = self.values(samples)
-        padded_values, mask = _padded(values)
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        token_rewards = estimators.last_token_rewards(rewards, mask)
-        if kl is not None and algo.kl_coef > 0:
-            token_rewards = token_rewards - algo.kl_coef * _padded(kl)[0] * mask
-        adv, returns = estimators.gae(token_rewards, padded_values, mask, algo.gamma, algo.lambd)
-        adv = estimators.whiten(adv, mask)  # PPO's batch normalisation of advantages
-        return _ragged(adv, mask), _ragged(returns, mask), values
+        return (*gae_advantages(samples, values, self.cfg, kl), values)
 
     def train(
         self, samples: Sequence[Sample], returns: Sequence[torch.Tensor], old_values: Sequence[torch.Tensor]
     ) -> dict[str, float]:
-        """One optimizer step on the clipped value loss over the whole batch (exact accumulation)."""
+        """One optimizer step on the clipped value loss over the whole batch, and its metrics."""
+        return {**self.step(samples, returns, old_values), **value_stats(old_values, returns)}
+
+    def step(
+        self,
+        samples: Sequence[Sample],
+        returns: Sequence[torch.Tensor],
+        old_values: Sequence[torch.Tensor],
+        total: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share of the batch; `total`: the global batch's response
+        tokens (default: these), so micro-batches and ranks add up to the exact token-mean. With
+        `grad_sync` (data parallelism) the loss is scaled by the world size, which the gradient
+        average undoes. value_loss and value_clipfrac are this rank's parts of the global values."""
         self.model.train()
-        total = sum(len(r) for r in returns)
+        total = total or sum(len(r) for r in returns)
         device = next(self.model.parameters()).device
         losses, clipped = 0.0, 0.0
         for i in range(0, len(samples), self.micro):
@@ -124,24 +133,23 @@ class Critic:
                 target[b, where], old[b, where] = r.to(device), v.to(device)
             loss, clipfrac = value_loss(values, old, target, mask, self.cfg.algo.value_clip)
             share = float(mask.sum()) / total  # token-mean over the global batch
-            (loss * share).backward()
+            (loss * share * self.world).backward()
             losses += float(loss.detach()) * share
             clipped += float(clipfrac) * share
+        finite = math.isfinite(losses)
+        if self.grad_sync is not None:
+            finite = self.grad_sync(finite)
         clip = self.cfg.train.clip_grad
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
-        if torch.isfinite(norm):
+        if finite and torch.isfinite(norm):
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        flat_returns, flat_values = torch.cat(list(returns)), torch.cat(list(old_values))
         return {
             "value_loss": losses,
             "value_clipfrac": clipped,
             "critic_grad_norm": float(norm),
             "critic_lr": self.scheduler.get_last_lr()[0],
-            "values_mean": float(flat_values.mean()),
-            "returns_mean": float(flat_returns.mean()),
-            "explained_variance": explained_variance(flat_values, flat_returns),
         }
 
     def state_dict(self) -> dict:
@@ -155,6 +163,34 @@ class Critic:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def gae_advantages(
+    samples: Sequence[Sample],
+    values: Sequence[torch.Tensor],
+    cfg: RunConfig,
+    kl: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(advantages, returns) per sample: GAE over the per-token rewards (the sample's reward on its
+    last token, minus --kl-coef x KL where given), advantages whitened over the batch."""
+    algo = cfg.algo
+    padded_values, mask = _padded(values)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    token_rewards = estimators.last_token_rewards(rewards, mask)
+    if kl is not None and algo.kl_coef > 0:
+        token_rewards = token_rewards - algo.kl_coef * _padded(kl)[0] * mask
+    adv, returns = estimators.gae(token_rewards, padded_values, mask, algo.gamma, algo.lambd)
+    adv = estimators.whiten(adv, mask)  # PPO's batch normalisation of advantages
+    return _ragged(adv, mask), _ragged(returns, mask)
+
+
+def value_stats(values: Sequence[torch.Tensor], returns: Sequence[torch.Tensor]) -> dict[str, float]:
+    flat_values, flat_returns = torch.cat(list(values)), torch.cat(list(returns))
+    return {
+        "values_mean": float(flat_values.mean()),
+        "returns_mean": float(flat_returns.mean()),
+        "explained_variance": explained_variance(flat_values, flat_returns),
+    }
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
