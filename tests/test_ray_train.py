@@ -237,7 +237,7 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, layout, a
 
 def test_two_ranks_two_engines_learn_the_default_task(ray_cluster, tmp_path, monkeypatch):
     """The default job on 2 training ranks + 2 engine processes: held-out accuracy rises as in
-    the one-process run (0.33 -> ~0.8 in 25 steps there). Weights go from rank 0 to the engines
+    the one-process run (measured here: 0.33 -> 0.71 in 15 steps; 0.775 at 25 in one process). Weights go from rank 0 to the engines
     directly: the driver never fetches them (no checkpoint or check asked for)."""
     from miles.config import load_config
     from miles.runtime import ray_train
@@ -248,7 +248,7 @@ def test_two_ranks_two_engines_learn_the_default_task(ray_cluster, tmp_path, mon
     fetches = []
     real = ray_train.RayTrainer.sync_policy
     monkeypatch.setattr(ray_train.RayTrainer, "sync_policy", lambda self: fetches.append(1) or real(self))
-    args = ["--config", str(DEFAULT_YAML), "--num-rollout", "25", "--eval-interval", "0", "--no-progress"]
+    args = ["--config", str(DEFAULT_YAML), "--num-rollout", "15", "--eval-interval", "0", "--no-progress"]
     args += ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--output-dir", str(tmp_path)]
     train(load_config(args))
     assert not fetches
