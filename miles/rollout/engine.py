@@ -33,6 +33,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     sample: Sample | None = None  # filled in place when given (keeps prompt, label, metadata)
     uid: int = -1
+    arrival: int = -1  # set by the engine: how many requests came before this one
 
 
 @dataclass
@@ -90,7 +91,8 @@ class Engine:
         # straight back could hold an update off until its whole batch finished
         self._turnstile = threading.RLock()
         self._pending_updates: list[tuple[list[tuple[str, torch.Tensor]], int | None, threading.Event]] = []
-        self._abort = False
+        self._arrivals = 0  # requests added so far
+        self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
         self._defer_refill = self._needs_refill = False  # see paused()
 
     # ---- public API ----
@@ -106,6 +108,7 @@ class Engine:
         if request.params.stop and self.tokenizer is None:
             raise MilesError("stop strings need the engine to have a tokenizer")
         request.uid = next(self._uids) if request.uid < 0 else request.uid
+        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self._waiting.append(request)
         return request.uid
 
@@ -230,13 +233,9 @@ class Engine:
         return 0 if self.cache is None else self.cache.nbytes
 
     def abort_all(self) -> None:
-        """Finish every waiting and running request as ABORTED at the next step."""
-        self._abort = True
-
-    def clear_abort(self) -> None:
-        """Forget an abort that found nothing left to stop (else it would stop the next requests)."""
-        with self._step_lock:
-            self._abort = False
+        """Finish every request waiting or running now as ABORTED at the next step (requests added
+        later are not touched, even when that step comes after they arrive)."""
+        self._abort_before = self._arrivals
 
     # ---- the step ----
 
@@ -248,7 +247,7 @@ class Engine:
             if self.cache is None:  # released by release_memory()
                 self.cache = self.model.new_cache(self.slots, self.max_seq_len)
             self._apply_updates()
-            if self._abort:
+            if self._abort_before is not None:
                 return self._abort_everything()
             finished = self._admit()
             if self._running:
@@ -420,9 +419,14 @@ class Engine:
         return sample
 
     def _abort_everything(self) -> list[Sample]:
-        self._abort = False
-        finished = [self._finish(s, Status.ABORTED) for s in list(self._running.values())]
-        while self._waiting:
-            req = self._waiting.popleft()
+        before, self._abort_before = self._abort_before, None
+        finished = [
+            self._finish(s, Status.ABORTED)
+            for s in list(self._running.values())
+            if s.request.arrival < before
+        ]
+        kept = deque(r for r in self._waiting if r.arrival >= before)
+        for req in (r for r in self._waiting if r.arrival < before):
             finished.append(self._finish(_Running(req, slot=-1, generator=torch.Generator()), Status.ABORTED))
+        self._waiting = kept
         return finished

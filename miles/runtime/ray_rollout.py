@@ -121,9 +121,8 @@ class EngineActor:
 
     def stop(self) -> list[Sample]:
         """Abort what still runs (tokens so far kept); the samples not polled yet."""
-        self.engine.abort_all()
+        self.engine.abort_all()  # touches only these requests, even if they all ended before it is seen
         self._thread.join()
-        self.engine.clear_abort()  # the requests may all have ended before the abort was seen
         return self.poll()[0]
 
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
