@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 import yaml
 
 from miles.errors import MilesError
+from miles.runtime.metrics import parse_metrics
 
 
 @dataclass
@@ -45,21 +45,6 @@ class RunRecord:
         return [(r["rollout"], float(r["eval_accuracy"])) for r in self.records if "eval_accuracy" in r]
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = []
-    for i, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines):
-                break  # a run killed mid-write leaves a partial last line: read the rest
-            raise MilesError(
-                f"{path}: line {i} is not JSON (a metrics file of miles has one object per line)"
-            ) from None
-    return records
-
-
 def load_run(run_dir: str | Path) -> RunRecord:
     """The run in `run_dir` (what `miles train --output-dir` wrote)."""
     path = Path(run_dir)
@@ -72,4 +57,4 @@ def load_run(run_dir: str | Path) -> RunRecord:
         raise MilesError(f"miles doctor: {path} has no metrics.jsonl; is it a run directory of miles train?")
     config_file = path / "config.yaml"
     config = yaml.safe_load(config_file.read_text()) if config_file.exists() else {}
-    return RunRecord(path, config or {}, _read_metrics(metrics))
+    return RunRecord(path, config or {}, parse_metrics(metrics))  # torn lines skipped, as miles plot does

@@ -116,15 +116,6 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-def flush_and_saturation(x: torch.Tensor, q: torch.Tensor, recipe: FP8Recipe) -> tuple[int, int, int]:
-    """(elements flushed to zero, elements at the format's max magnitude that were above it, total)
-    of one quantization x -> q."""
-    x, q = x.detach(), q.detach()
-    flushed = int(((q == 0) & (x != 0)).sum())
-    saturated = int((q.abs() < x.abs() * (1 - 2**-3)).sum())  # clipped by far more than rounding
-    return flushed, saturated, x.numel()
-
-
 def underflow_fraction(x: torch.Tensor, recipe: FP8Recipe) -> float:
     """Fraction of nonzero elements of a weight that quantize to zero (flushed by too large a scale)."""
     codes, _ = quantize(x, recipe)

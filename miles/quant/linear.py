@@ -109,9 +109,11 @@ class FP8Linear(nn.Module):
         self.spec, self.store_codes, self.mode = spec, store_codes, mode
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        if store_codes:
-            self.register_buffer("weight", linear.weight.detach().clone(), persistent=True)
-            self.register_buffer("weight_scale", torch.ones(()), persistent=False)
+        if store_codes:  # codes and scales only: the fp32 weight is not kept
+            self.register_buffer("weight", torch.empty(0, device=linear.weight.device), persistent=True)
+            self.register_buffer(
+                "weight_scale", torch.ones((), device=linear.weight.device), persistent=False
+            )
             self.load_weight(linear.weight.detach())
         else:
             self.weight = linear.weight

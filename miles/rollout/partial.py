@@ -30,8 +30,7 @@ from miles.rollout.sampling import SamplingParams
 @dataclass(eq=False)
 class _Group:
     samples: list[Sample | None]  # finished, partial (ABORTED) or None (not started)
-    key: tuple  # (rollout, index) of the rollout that drew its prompt: seeds and identity
-    requests: list[Request] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)  # a new group's, until they are sent
 
     @property
     def complete(self) -> bool:
@@ -62,8 +61,8 @@ class PartialRollout:
         self.cfg = cfg
         self.carried: list[_Group] = []
 
-    def _continue(self, group: _Group, rollout_id: int, g: int) -> list[Request]:
-        """Requests that continue each cut-off sample of a carried group from its tokens so far."""
+    def _continue(self, group: _Group, rollout_id: int, g: int) -> list[tuple[int, Request]]:
+        """(sample index, request) continuing each cut-off sample of a carried group from its tokens."""
         rollout_cfg = self.cfg.rollout
         requests = []
         for k, s in enumerate(group.samples):
@@ -75,9 +74,7 @@ class PartialRollout:
                 max_new_tokens=rollout_cfg.rollout_max_response_len - s.response_length,
                 seed=hash((rollout_cfg.rollout_seed, rollout_id, g, k, "continue")) % (2**63),
             )  # fmt: skip
-            request = Request(list(s.tokens), params)
-            request.continues = k  # type: ignore[attr-defined]
-            requests.append(request)
+            requests.append((k, Request(list(s.tokens), params)))
         return requests
 
     def _generate(self, engine, take, groups: list[_Group], done: list[_Group], rollout_id: int) -> None:
@@ -89,17 +86,17 @@ class PartialRollout:
         for i, item in enumerate(take(max(0, in_flight - len(groups)))):
             temperature, seed = rollout_cfg.rollout_temperature, rollout_cfg.rollout_seed
             requests = group_requests(engine, item, cfg, rollout_id, i, n, temperature, seed)
-            groups.append(_Group([None] * n, (rollout_id, i), requests))
+            groups.append(_Group([None] * n, requests))
         # slot[i]: (group, sample index) of request i, named in its sample's metadata
         requests, slot = [], []
         for g, group in enumerate(groups):
-            todo = group.requests or self._continue(group, rollout_id, g)
-            for k, r in enumerate(todo):
+            todo = list(enumerate(group.requests)) or self._continue(group, rollout_id, g)
+            for k, r in todo:
                 if r.sample is None:
                     r.sample = Sample()
                 r.sample.metadata["partial_slot"] = len(slot)  # survives a trip to a Ray engine and back
-                slot.append((group, getattr(r, "continues", k)))
-            requests += todo
+                slot.append((group, k))
+                requests.append(r)
             group.requests = []
         mask_old = rollout_cfg.mask_offpolicy_in_partial_rollout
         placed: list[Sample] = []
