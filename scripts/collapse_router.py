@@ -1,6 +1,6 @@
 """Write a copy of a MoE checkpoint whose routers send nearly every token to experts 0 and 1.
 
-The symptom of the guide's "expert load imbalance", made on purpose: each layer's router rows 0
+The symptom of expert load imbalance, made on purpose: each layer's router rows 0
 and 1 gain `strength` times the mean direction of that layer's router inputs (measured on a
 short text), so their logits are about `strength` higher than the others' for typical tokens.
 `miles doctor` then names expert_imbalance; `--aux-loss-coef` is the remedy it lists.

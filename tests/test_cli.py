@@ -22,8 +22,8 @@ def test_generate_missing_model_is_one_clear_error(capsys, tmp_path):
 
 
 def test_train_flags_without_a_job_change_the_embedded_default(tmp_path, capsys):
-    """`miles train --num-rollout 1 ...` runs the default job with those flags on top (the guide's
-    remedies are flags added to a run); a run that names its own job is left as given."""
+    """`miles train --num-rollout 1 ...` runs the default job with those flags on top (a remedy
+    is flags added to a run); a run that names its own job is left as given."""
     import yaml
 
     from miles.cli import DEFAULT_JOB, default_job_argv

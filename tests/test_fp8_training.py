@@ -26,7 +26,7 @@ def test_trainer_and_engine_quantize_bit_identically_and_the_engine_stores_fp8()
     ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(trainer(ids).logits, engine(ids).logits)
-    # the guide's check: the engine's projection weights are float8; the trainer keeps fp32 masters
+    # the dtype check: the engine's projection weights are float8; the trainer keeps fp32 masters
     layers = fp8_layers(engine)
     assert layers and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
     assert all(m.weight.dtype == torch.float32 for m in fp8_layers(trainer))
@@ -117,7 +117,7 @@ def test_mismatch_table_unified_fp8_matches_fp32_rollout_only_does_not():
 
 
 def test_an_outlier_breaks_tensorwise_scaling_and_blockwise_fp32_scales_keep_it():
-    """The guide's FP8 collapse, reproduced: one large weight in each MLP down-projection (on a
+    """An FP8 collapse, reproduced: one large weight in each MLP down-projection (on a
     channel that is never active, so the fp32 model does not change) makes a tensorwise scale flush
     the rest of the tensor; blockwise scaling confines the damage to one block."""
     model = random_model("qwen3", hidden_size=512, intermediate_size=1024, num_hidden_layers=2, head_dim=32)

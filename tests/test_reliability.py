@@ -117,7 +117,7 @@ def test_cli_exit_status_is_not_zero_when_the_reward_fails(tmp_path):
 
 
 def test_a_run_whose_reward_hangs_on_a_fifth_learns_and_exits(tmp_path):
-    """The guide's default task with a reward that hangs on ~20% of calls: every rollout loses just
+    """The default task with a reward that hangs on ~20% of calls: every rollout loses just
     those samples, held-out accuracy still rises, and the process exits by itself."""
     args = [
         "--config", str(ROOT / "miles" / "assets" / "default_train.yaml"), "--num-rollout", "12",

@@ -201,7 +201,7 @@ def test_a_new_run_in_a_used_directory_keeps_the_old_metrics_apart(tmp_path):
 
 
 def test_verify_logprobs_stops_a_run_whose_mismatch_exceeds_the_threshold(tmp_path):
-    """The guide's check: with a threshold below the measured gap (~1e-7 here) the run stops at
+    """--verify-logprobs: with a threshold below the measured gap (~1e-7 here) the run stops at
     rollout 0 naming the gap and the remedies; at the default threshold (0.1) it runs."""
     from miles.errors import MilesError
 

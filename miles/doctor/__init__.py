@@ -1,4 +1,4 @@
-"""`miles doctor`: the troubleshooting guide as checks on a run's own numbers (see checks.py)."""
+"""`miles doctor`: known RL failure symptoms checked on a run's own numbers (see checks.py)."""
 
 from miles.doctor.checks import CHECKS, Evidence, Finding, Remedy, check, diagnose
 from miles.doctor.run import RunRecord, load_run

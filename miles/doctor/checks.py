@@ -117,7 +117,7 @@ def _fp8_training(run: RunRecord) -> bool:
 
 
 def _fp8_remedies(run: RunRecord) -> list[Remedy]:
-    """The guide's FP8 remedies this run does not use yet (unified FP8 training only)."""
+    """The FP8 remedies (block scaling, FP32 scales, dynamic scaling, E4M3, bf16 warm-up) this run does not use yet (unified FP8 training only)."""
     if not _fp8_training(run):
         return []
     remedies = []

@@ -1,4 +1,4 @@
-"""`miles doctor --env`: what the machine offers the guide's remedies (versions, GPUs and peer
+"""`miles doctor --env`: what the machine offers the remedies `miles doctor` suggests (versions, GPUs and peer
 access for CUDA IPC, shared memory for zero-copy on CPU, Ray, low-precision variables, and the
 INT4 group sizes a model admits)."""
 
@@ -29,7 +29,7 @@ def _gpus() -> dict:
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(n)],
-        "peer_access": peers,  # CUDA IPC between these GPUs (the guide's `nvidia-smi topo -m`)
+        "peer_access": peers,  # CUDA IPC between these GPUs (what `nvidia-smi topo -m` shows)
     }
 
 

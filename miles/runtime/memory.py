@@ -3,7 +3,7 @@
 The OS keeps a process's peak resident set (VmHWM); Linux lets a process reset its own
 (/proc/self/clear_refs, "5"), so reading then resetting it once per step gives each step's own
 peak. Elsewhere the lifetime peak (`ru_maxrss`) is reported instead. Growth of this number across
-steps is the host-side leak the guide's `watch nvidia-smi` looks for on a GPU.
+steps is the host-side leak that `watch nvidia-smi` would show on a GPU.
 """
 
 from __future__ import annotations
