@@ -81,9 +81,16 @@ def test_every_guide_flag_is_listed_in_help():
         ),
         (
             ["--warmup-precision", "bf16", "--warmup-steps", "3"],
-            "--warmup-precision has no effect without FP8",
+            "--warmup-precision has no effect without FP8 or INT4",
         ),
         (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
+        (
+            ["--int4-group-size", "64"],
+            "--int4-group-size (or OPEN_TRAINING_INT4_GROUP_SIZE) has no effect without INT4",
+        ),
+        (["--int4-qat", "--int4-rollout-only"], "--int4-rollout-only keeps the trainer in full precision"),
+        (["--int4-qat", "--fp8-recipe", "blockwise"], "FP8 and INT4 in one run"),
+        (["--int4-qat", "--check-weight-update-equal"], "the engine stores packed INT4 codes"),
         (["--fp8-skip-layers", "lm_head"], "--fp8-skip-layers has no effect without FP8"),
         (["--fp8-rollout-only", "--check-weight-update-equal"], "the engine stores FP8 codes"),
         (
@@ -140,10 +147,22 @@ def test_co_evolution_section_is_recognised_and_not_available_yet(tmp_path):
         load_config(["--config", str(y)])
 
 
-def test_env_var_of_unbuilt_feature_is_an_error(monkeypatch):
+def test_int4_environment_variables_reach_the_config(monkeypatch):
     monkeypatch.setenv("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "1")
-    with pytest.raises(ConfigError, match="OPEN_TRAINING_INT4_FAKE_QAT_FLAG.*not built yet"):
+    monkeypatch.setenv("OPEN_TRAINING_INT4_GROUP_SIZE", "32")
+    precision = load_config([]).precision
+    assert precision.int4_qat and precision.int4_group_size == 32
+    with pytest.raises(
+        ConfigError, match="--int4-group-size 64 and OPEN_TRAINING_INT4_GROUP_SIZE=32 disagree"
+    ):
+        load_config(["--int4-group-size", "64"])
+    monkeypatch.setenv("OPEN_TRAINING_INT4_GROUP_SIZE", "big")
+    with pytest.raises(ConfigError, match="OPEN_TRAINING_INT4_GROUP_SIZE='big': use a positive integer"):
         load_config([])
+    monkeypatch.delenv("OPEN_TRAINING_INT4_GROUP_SIZE")
+    assert load_config([]).precision.int4_group_size == 128  # the default once INT4 is on
+    monkeypatch.delenv("OPEN_TRAINING_INT4_FAKE_QAT_FLAG")
+    assert not load_config([]).precision.int4_qat
 
 
 def test_miles_debug_sets_debug_logging(monkeypatch):

@@ -122,6 +122,25 @@ def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
     assert load_run(unified).median("kl_rollout_train_k3") < THRESHOLDS["mismatch_k3"] / 100
 
 
+def test_int4_rollout_without_qat_is_a_mismatch_and_qat_removes_it(runs):
+    bad = run_job(runs, "int4-bare", "--int4-rollout-only", "--no-use-r3", "--no-use-tis", steps=3)
+    names, findings = symptoms(bad)
+    assert "logprob_mismatch" in names and names <= {"logprob_mismatch", "routing_mismatch"}
+    assert ["--no-int4-rollout-only", "--int4-qat"] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+    qat = run_job(runs, "int4-qat", "--int4-qat", "--no-use-r3", "--no-use-tis", steps=3)
+    assert symptoms(qat)[0] == set()
+    assert load_run(qat).median("kl_rollout_train_k3") < THRESHOLDS["mismatch_k3"] / 100
+    # what the doctor adds for an INT4 QAT run that trails a reference: each a valid invocation
+    from miles.doctor.checks import _int4_remedies
+
+    offered = [r.flags for r in _int4_remedies(load_run(qat), accuracy=True)]
+    assert offered[:2] == [["--int4-group-size", "64"], ["--int4-skip-layers", "self_attn"]]
+    assert [f[0] for f in offered[2:]] == ["--warmup-steps", "--lr"]
+    for flags in offered:
+        load_config(["--config", str(qat / "config.yaml"), *flags])
+
+
 def test_too_tight_a_tis_band_clips_most_tokens(runs):
     bad = run_job(runs, "fp8-tight", "--fp8-rollout-only", "--tis-threshold", "0.99", steps=4)
     names, findings = symptoms(bad)
@@ -194,7 +213,7 @@ def test_env_report(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["torch"] == torch.__version__
     assert report["model"]["linear_input_sizes"] == [128]  # tiny's hidden and expert sizes
-    assert report["model"]["int4_group_sizes"] == [32, 64, 128]
+    assert report["model"]["int4_group_sizes"] == [16, 32, 64, 128]
     assert report["shared_memory"]["dev_shm_total_gb"] > 0
 
 

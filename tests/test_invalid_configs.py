@@ -73,6 +73,14 @@ CASES = [
         "--over-sampling-batch-size must be >=",
     ),
     (["--colocate", "--async-weight-sync"], "--colocate with --async-weight-sync"),
+    (
+        ["--int4-qat", "--int4-group-size", "256"],
+        "--int4-group-size 256 does not divide the input size 128 of model.layers.0.self_attn.q_proj",
+    ),
+    (
+        ["--int4-rollout-only", "--int4-skip-layers", "atention"],
+        "--int4-skip-layers: 'atention' matches no layer",
+    ),
     (["--save-debug-rollout-data", "{tmp}/r.pt"], "the pattern needs {rollout_id}"),
     (["--debug-train-only"], "--debug-train-only and --load-debug-rollout-data go together"),
     (

@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from miles.models import load_model, load_tokenizer
-from miles.models.gguf import smollm2_gguf_path
+from miles.models import load_tokenizer
+from miles.models.gguf import from_hf_model, smollm2_gguf_path
 from tests.conftest import greedy
 
 
@@ -21,7 +21,7 @@ def smol():
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
-    return load_model(path).eval(), load_tokenizer(path), hf
+    return from_hf_model(hf, str(path)).eval(), load_tokenizer(path), hf  # one read of the GGUF file
 
 
 def test_smollm2_logits_on_chat_prompt_match_transformers(smol):
@@ -89,3 +89,16 @@ def test_gguf_is_converted_once_then_loaded_from_the_cache(smol, tmp_path, monke
     with torch.no_grad():
         assert torch.equal(cached.eval()(ids).logits, model(ids).logits)  # fp32 kept: exact
         assert (cached(ids).logits - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_smollm2_int4_group_sizes(smol):
+    """SmolLM2's projections take 576 (hidden) and 1536 (MLP) inputs: 64 divides both, 128 does not."""
+    from miles.errors import ConfigError
+    from miles.quant.convert import check_int4_group
+
+    model = smol[0]
+    assert len(check_int4_group(model, 64)) == 30 * 7
+    with pytest.raises(ConfigError) as e:
+        check_int4_group(model, 128)
+    assert "does not divide the input size 576 of model.layers.0.self_attn.q_proj" in str(e.value)
+    assert "16, 24, 32, 48, 64, 96, 192" in str(e.value)

@@ -20,10 +20,7 @@ import yaml
 from miles.config.schema import RunConfig
 from miles.errors import ConfigError
 
-ENV_NOT_YET = {
-    "OPEN_TRAINING_INT4_FAKE_QAT_FLAG": "INT4 fake-quant QAT is not built yet (planned: miles.quant)",
-    "OPEN_TRAINING_INT4_GROUP_SIZE": "INT4 fake-quant QAT is not built yet (planned: miles.quant)",
-}
+ENV_NOT_YET: dict[str, str] = {}  # environment variables of features not built yet: refused
 
 
 @dataclasses.dataclass
@@ -233,9 +230,81 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
+def _env_int4(precision) -> None:
+    """OPEN_TRAINING_INT4_FAKE_QAT_FLAG / OPEN_TRAINING_INT4_GROUP_SIZE into the configuration."""
+    flag = os.environ.get("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "").strip()
+    if flag not in ("", "0", "1"):
+        raise ConfigError(f"OPEN_TRAINING_INT4_FAKE_QAT_FLAG={flag!r}: use 1 (INT4 QAT on) or 0")
+    if flag == "1":
+        precision.int4_qat = True
+    size = os.environ.get("OPEN_TRAINING_INT4_GROUP_SIZE", "").strip()
+    if size:
+        if not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"OPEN_TRAINING_INT4_GROUP_SIZE={size!r}: use a positive integer, e.g. 128")
+        if precision.int4_group_size not in (None, int(size)):
+            raise ConfigError(
+                f"--int4-group-size {precision.int4_group_size} and OPEN_TRAINING_INT4_GROUP_SIZE={size} "
+                "disagree; keep one"
+            )
+        precision.int4_group_size = int(size)
+
+
+def validate_int4(cfg: RunConfig) -> None:
+    """INT4 settings: what combines (the group size against the model is checked when it loads)."""
+    precision = cfg.precision
+    _env_int4(precision)
+    if not (precision.int4_qat or precision.int4_rollout_only):
+        given = [
+            flag
+            for flag, value in (
+                ("--int4-group-size (or OPEN_TRAINING_INT4_GROUP_SIZE)", precision.int4_group_size),
+                ("--int4-skip-layers", precision.int4_skip_layers),
+                ("--int4-kernel-activations", precision.int4_kernel_activations != "fp32"),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"{given[0]} has no effect without INT4; add --int4-qat (or OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1, "
+                "or --int4-rollout-only) or remove it"
+            )
+        return
+    if precision.int4_qat and precision.int4_rollout_only:
+        raise ConfigError(
+            "--int4-rollout-only keeps the trainer in full precision, but --int4-qat (or "
+            "OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1) quantizes it; use one"
+        )
+    if precision.fp8_recipe or precision.fp8_rollout_only:
+        raise ConfigError("FP8 and INT4 in one run: choose --fp8-recipe or --int4-qat, not both")
+    precision.int4_group_size = precision.int4_group_size or 128
+    what = "--int4-qat" if precision.int4_qat else "--int4-rollout-only"
+    _quantized_engine_limits(cfg, what, "INT4 groups", "packed INT4 codes")
+
+
+def _quantized_engine_limits(cfg: RunConfig, what: str, blocks: str, codes: str) -> None:
+    """What a quantized engine does not combine with (FP8 and INT4 alike)."""
+    if cfg.train.warmup_precision and cfg.train.warmup_steps == 0:
+        raise ConfigError(
+            "--warmup-precision bf16 needs --warmup-steps N > 0 (the rollouts that run in bf16)"
+        )
+    if cfg.sync.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            f"{what} with --rollout-num-gpus-per-engine > 1: {blocks} of a tensor-parallel shard are not built "
+            "yet; use one device per engine"
+        )
+    if cfg.sync.check_weight_update_equal:
+        raise ConfigError(
+            f"--check-weight-update-equal compares engine and trainer weights bit for bit, but with {what} the "
+            f"engine stores {codes}; use one or the other"
+        )
+
+
 def validate_precision(cfg: RunConfig) -> None:
-    """FP8 settings: what combines, and the scale format from the environment (read here, once)."""
-    precision, sync = cfg.precision, cfg.sync
+    """FP8 and INT4 settings: what combines, and the formats from the environment (read here, once)."""
+    validate_int4(cfg)
+    if cfg.precision.int4_qat or cfg.precision.int4_rollout_only:
+        return
+    precision = cfg.precision
     if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "").strip() == "1":
         precision.fp8_fp32_scales = True
     if precision.fp8_rollout_only:
@@ -254,7 +323,8 @@ def validate_precision(cfg: RunConfig) -> None:
         ]
         if given:
             raise ConfigError(
-                f"{given[0]} has no effect without FP8; add --fp8-recipe (or --fp8-rollout-only) or remove it"
+                f"{given[0]} has no effect without FP8 or INT4; add --fp8-recipe (or --fp8-rollout-only, or "
+                "--int4-qat) or remove it"
             )
         return
     what = "--fp8-rollout-only" if precision.fp8_rollout_only else f"--fp8-recipe {precision.fp8_recipe}"
@@ -263,20 +333,7 @@ def validate_precision(cfg: RunConfig) -> None:
             f"--fp8-dynamic-scaling changes only --fp8-recipe delayed; {precision.fp8_recipe} already scales each "
             "tensor by its own amax. Remove the flag"
         )
-    if cfg.train.warmup_precision and cfg.train.warmup_steps == 0:
-        raise ConfigError(
-            "--warmup-precision bf16 needs --warmup-steps N > 0 (the rollouts that run in bf16)"
-        )
-    if sync.rollout_num_gpus_per_engine > 1:
-        raise ConfigError(
-            f"{what} with --rollout-num-gpus-per-engine > 1: FP8 blocks of a tensor-parallel shard are not built "
-            "yet; use one device per engine"
-        )
-    if sync.check_weight_update_equal:
-        raise ConfigError(
-            f"--check-weight-update-equal compares engine and trainer weights bit for bit, but with {what} the "
-            "engine stores FP8 codes; use one or the other"
-        )
+    _quantized_engine_limits(cfg, what, "FP8 blocks", "FP8 codes")
 
 
 def validate(given: RunConfig) -> RunConfig:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from miles.config.fields import (
     NOT_YET_EP,
-    NOT_YET_INT4,
     NOT_YET_MA,
     NOT_YET_MOE,
     NOT_YET_SPEC,
@@ -232,8 +231,8 @@ class TrainSection:
     warmup_steps: int = option(0, "linear LR warm-up steps", aliases=("lr_warmup_iters",), bounds="[0, inf)")
     warmup_precision: str | None = option(
         None,
-        "with FP8: the FP8 layers of trainer and engine compute in bf16 for the first --warmup-steps rollouts, "
-        "then in FP8 (the same --warmup-steps also warms up the learning rate)",
+        "with FP8 or INT4: the quantized layers of trainer and engine compute in bf16 for the first --warmup-steps "
+        "rollouts, then in FP8/INT4 (the same --warmup-steps also warms up the learning rate)",
         choices=("bf16",),
     )
     weight_decay: float = option(0.0, "AdamW weight decay", bounds="[0, inf)")
@@ -326,7 +325,7 @@ class LoggingSection:
 
 @dataclass
 class PrecisionSection:
-    """Low precision (FP8 / INT4)."""
+    """Low precision (FP8 / INT4). At most one of the two per run."""
 
     fp8_recipe: str | None = option(
         None,
@@ -362,11 +361,37 @@ class PrecisionSection:
         'comma-separated name patterns kept in full precision, e.g. "lm_head,embed" (embeddings, lm_head, '
         "norms and the MoE router always are); a pattern matching no layer is an error",
     )
+    int4_qat: bool = option(
+        False,
+        "INT4 quantization-aware training (W4A16): the trainer multiplies by weights rounded to INT4 (symmetric, one "
+        "scale per 1 x G input group; straight-through backward; fp32 master weights) and the rollout engine serves "
+        "the same grid as packed INT4 weights. Quantized: the attention, MLP and expert projections (*_proj); "
+        "embeddings, lm_head, norms and the MoE router stay full precision. OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 "
+        "sets it (read once in the driver, carried to every Ray worker in the configuration)",
+    )
+    int4_rollout_only: bool = option(
+        False,
+        "packed INT4 weights in the rollout engine only, the trainer in full precision: the train/rollout "
+        "mismatch INT4 serving without QAT brings (and training memory is not reduced)",
+    )
     int4_group_size: int | None = option(
-        None, "INT4 group size (must divide the hidden size)", available=NOT_YET_INT4, bounds="[1, inf)"
+        None,
+        "INT4 group size G (default 128): inputs per scale. It must divide the input size of every quantized layer "
+        "(checked at start-up); smaller groups track the weights closer, larger ones store fewer scales. "
+        "OPEN_TRAINING_INT4_GROUP_SIZE sets it",
+        bounds="[1, inf)",
     )
     int4_skip_layers: str | None = option(
-        None, "comma-separated layer patterns kept in high precision", available=NOT_YET_INT4
+        None,
+        'comma-separated name patterns kept in full precision, e.g. "o_proj,down_proj" or "layers.0." '
+        "(embeddings, lm_head, norms and the MoE router always are); a pattern matching no layer is an error",
+    )
+    int4_kernel_activations: str = option(
+        "fp32",
+        "activations of the INT4 engine: fp32 (packed weights dequantized per layer, one fp32 matmul: the "
+        "trainer's numbers bit for bit) | bf16 (the INT4 kernel with 16-bit activations, as GPU W4A16 serving "
+        "runs it; faster, adds bf16 rounding to the train/rollout mismatch)",
+        choices=("fp32", "bf16"),
     )
 
 

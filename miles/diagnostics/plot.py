@@ -24,7 +24,19 @@ PANELS = [
     ),  # per-step peak GB
     ("loss", ["pg_loss", "entropy"]),
     ("tis", ["tis_clipfrac", "pg_clipfrac"]),
-    ("fp8", ["fp8_flush_frac", "fp8_saturation_frac", "fp8_enabled"]),  # unified FP8, per step
+    ("fp8", ["fp8_flush_frac", "fp8_saturation_frac", "fp8_enabled", "int4_enabled"]),  # FP8 / INT4
+    (
+        "model_memory",
+        [
+            "mem_train_weights_gb",
+            "mem_train_grads_gb",
+            "mem_train_optimizer_gb",
+            "mem_rollout_weights_float32_gb",
+            "mem_rollout_weights_bfloat16_gb",
+            "mem_rollout_weights_float8_e4m3fn_gb",
+            "mem_rollout_weights_uint8_gb",
+        ],
+    ),  # GB held for the policy: a training rank's weights/grads/optimizer, an engine's weights by dtype
     ("critic", ["value_loss", "explained_variance"]),  # PPO
 ]
 

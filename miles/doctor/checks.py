@@ -150,6 +150,42 @@ def _fp8_remedies(run: RunRecord) -> list[Remedy]:
     return remedies
 
 
+def _int4_remedies(run: RunRecord, accuracy: bool = False) -> list[Remedy]:
+    """The INT4 QAT remedies this run does not use yet: finer groups, attention in full precision,
+    a bf16 warm-up and, for accuracy that trails a reference (`accuracy`), a larger step."""
+    if not run.setting("precision.int4_qat"):
+        return []
+    remedies = []
+    group = run.setting("precision.int4_group_size") or 128
+    if group // 2 >= 16 and group % 2 == 0:
+        remedies.append(
+            Remedy(
+                ["--int4-group-size", str(group // 2)],
+                f"groups of {group // 2}: the grid follows the weights closer",
+            )
+        )
+    if not run.setting("precision.int4_skip_layers"):
+        remedies.append(
+            Remedy(
+                ["--int4-skip-layers", "self_attn"],
+                "attention projections in full precision, MLP/experts INT4",
+            )
+        )
+    if not run.setting("train.warmup_precision"):
+        remedies.append(
+            Remedy(
+                ["--warmup-steps", "100", "--warmup-precision", "bf16"],
+                "start in bf16, switch to INT4 once stable",
+            )
+        )
+    if accuracy:
+        lr = run.setting("train.lr", 1e-6)
+        remedies.append(
+            Remedy(["--lr", f"{lr * 2:g}"], "QAT: updates under half a grid step do not move an INT4 weight")
+        )
+    return remedies
+
+
 def _smoothed(values: list[float], k: int) -> list[float]:
     return [sum(values[i : i + k]) / k for i in range(len(values) - k + 1)]
 
@@ -205,7 +241,7 @@ def loss_explosion(run: RunRecord, compare: RunRecord | None):
         )
     if not run.setting("train.warmup_steps", 0) and not _fp8_training(run):
         remedies.append(Remedy(["--warmup-steps", "10"], "warm the learning rate up over the first steps"))
-    remedies += _fp8_remedies(run)
+    remedies += _fp8_remedies(run) + _int4_remedies(run)
     return (
         "updates too large for the model: learning rate, no clipping or an unbounded PPO ratio",
         evidence,
@@ -256,7 +292,7 @@ def reward_collapse(run: RunRecord, compare: RunRecord | None):
         )
     if _is_moe(run) and not run.setting("algo.use_r3"):
         remedies.append(Remedy(["--use-r3"], "MoE: replay the rollout's routing in training"))
-    remedies += _fp8_remedies(run)
+    remedies += _fp8_remedies(run) + _int4_remedies(run)
     return (
         "the policy left the region where it earned reward (too large steps, or off-policy updates)",
         evidence,
@@ -309,6 +345,14 @@ def _mismatch_remedies(run: RunRecord) -> list[Remedy]:
             Remedy(
                 [],
                 "or remove --fp8-rollout-only: no FP8 on either side",
+            )
+        )
+    if run.setting("precision.int4_rollout_only"):
+        remedies.append(
+            Remedy(
+                ["--no-int4-rollout-only", "--int4-qat"],
+                "INT4 QAT (= OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1): the trainer multiplies by the INT4 grid the "
+                "engine serves, so both compute the same numbers",
             )
         )
     if not run.setting("algo.verify_logprobs"):
@@ -551,5 +595,5 @@ def accuracy_gap(run: RunRecord, compare: RunRecord | None):
     if run.setting("precision.fp8_rollout_only") and not run.setting("algo.use_tis"):
         remedies.append(Remedy(["--use-tis"], "correct the FP8 rollout's mismatch"))
     known = {tuple(r.flags) for r in remedies}
-    remedies += [r for r in _fp8_remedies(run) if tuple(r.flags) not in known]
+    remedies += [r for r in _fp8_remedies(run) + _int4_remedies(run, True) if tuple(r.flags) not in known]
     return "the runs differ in the settings below; each is a candidate", evidence, remedies

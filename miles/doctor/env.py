@@ -62,15 +62,14 @@ def _ray() -> dict:
 
 
 def int4_group_sizes(model: str) -> dict:
-    """Group sizes (powers of two, 32..1024) that divide every linear layer's input size."""
+    """The input sizes of the projections INT4 quantizes, and the group sizes that divide them all."""
     from miles.models import registry
+    from miles.quant.convert import quantized_names
+    from miles.quant.int4 import divisors
 
     policy, _ = registry.load(model)
-    import torch.nn as nn
-
-    widths = sorted({m.in_features for m in policy.modules() if isinstance(m, nn.Linear)})
-    sizes = [g for g in (32, 64, 128, 256, 512, 1024) if all(w % g == 0 for w in widths)]
-    return {"model": model, "linear_input_sizes": widths, "int4_group_sizes": sizes}
+    widths = sorted({policy.get_submodule(n).in_features for n in quantized_names(policy)})
+    return {"model": model, "linear_input_sizes": widths, "int4_group_sizes": divisors(widths)}
 
 
 def environment(model: str | None = None) -> dict:

@@ -76,8 +76,6 @@ def load_gguf(
     dtype: torch.dtype = torch.float32,
     make_linear: LinearFactory = default_linear,
 ) -> Transformer:
-    from miles.models.checkpoint import load_state_dict_into
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path}: no such file")
@@ -90,10 +88,17 @@ def load_gguf(
             )
     except Exception as e:
         raise CheckpointError(f"GGUF file {path}: transformers could not import it ({e})") from e
-    config = ModelConfig.from_hf_dict(hf_model.config.to_dict(), source=str(path))
+    return from_hf_model(hf_model, str(path), make_linear).to(device=device, dtype=dtype)
+
+
+def from_hf_model(hf_model, source: str, make_linear: LinearFactory = default_linear) -> Transformer:
+    """A miles Transformer holding a loaded transformers model's weights (no second read of the file)."""
+    from miles.models.checkpoint import load_state_dict_into
+
+    config = ModelConfig.from_hf_dict(hf_model.config.to_dict(), source=source)
     model = Transformer(config, make_linear)
-    load_state_dict_into(model, dict(hf_model.state_dict()), str(path))
-    return model.to(device=device, dtype=dtype)
+    load_state_dict_into(model, dict(hf_model.state_dict()), source)
+    return model
 
 
 def smollm2_gguf_path() -> Path:

@@ -101,7 +101,39 @@ class AmaxHistory:
             self.values.append(float(x.detach().abs().amax()))
 
 
-class FP8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What FP8Linear and Int4Linear share: the bf16/low-precision mode switch, and the trainer's
+    rounded weight (straight-through while training, cached between weight updates otherwise).
+    A subclass defines `round_weight`, `load_weight` and `dequantized_weight`."""
+
+    mode: str
+    store_codes: bool
+    _cached: tuple | None = None
+
+    def round_weight(self, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_mode(self, mode: str) -> None:
+        """bf16 (precision warm-up) or the low precision; an engine layer converts what it holds
+        now (the next weight sync replaces it with the trainer's quantization anyway)."""
+        if mode == self.mode:
+            return
+        if self.store_codes:
+            current = self.dequantized_weight()
+            self.mode = mode
+            self.load_weight(current)
+        self.mode, self._cached = mode, None
+
+    def _trainer_weight(self) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return _RoundSTE.apply(self.weight, self.round_weight)
+        key = (self.weight._version, self.weight.data_ptr(), self.mode)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self.round_weight(self.weight.detach()))
+        return self._cached[1]
+
+
+class FP8Linear(QuantizedLinear):
     def __init__(
         self, linear: nn.Linear, spec: FP8Spec, store_codes: bool = False, mode: str = "fp8"
     ) -> None:
@@ -133,30 +165,13 @@ class FP8Linear(nn.Module):
         else:
             self.weight, self.weight_scale = quantize(tensor, self.spec.weights)
 
-    def set_mode(self, mode: str) -> None:
-        """Switch between bf16 (precision warm-up) and fp8; an engine layer converts what it holds
-        now (the next weight sync replaces it with the trainer's quantization anyway)."""
-        if mode == self.mode:
-            return
-        if self.store_codes:
-            current = self.dequantized_weight()
-            self.mode = mode
-            self.load_weight(current)
-        self.mode, self._cached = mode, None
-
     def dequantized_weight(self) -> torch.Tensor:
         if self.mode == "bf16":
             return self.weight.float()
         return dequantize(self.weight, self.weight_scale, self.spec.weights)
 
-    def _trainer_weight(self) -> torch.Tensor:
-        fn = round_bf16 if self.mode == "bf16" else (lambda w: fake_quantize(w, self.spec.weights))
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            return _RoundSTE.apply(self.weight, fn)
-        key = (self.weight._version, self.weight.data_ptr(), self.mode)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, fn(self.weight.detach()))
-        return self._cached[1]
+    def round_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return round_bf16(w) if self.mode == "bf16" else fake_quantize(w, self.spec.weights)
 
     # ---- activations and gradients ---------------------------------------------------------
 

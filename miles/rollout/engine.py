@@ -222,8 +222,10 @@ class Engine:
             set_mode(self.model, mode)
 
     def peak_memory(self) -> list[dict[str, int]]:
-        """None of its own: it shares the driver's process (`mem_driver_*`)."""
-        return []
+        """Its weights by dtype; its peak RSS is the driver's (`mem_driver_*`): it shares the process."""
+        from miles.runtime.memory import weight_memory
+
+        return [weight_memory(self.model)]
 
     def shutdown(self) -> None:
         """Nothing to stop: the engine lives and ends with this process."""

@@ -16,7 +16,7 @@ def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, t
     Returns the number of tensors applied. A tied lm_head.weight is accepted and skipped.
     """
     params = dict(model.state_dict(keep_vars=True))
-    # layers that store weights their own way (FP8 codes) load them through load_weight
+    # layers that store weights their own way (FP8 codes, packed INT4) load them through load_weight
     loaders = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_weight")}
     tied = model.config.tie_word_embeddings
     todo = []
@@ -27,9 +27,11 @@ def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, t
             raise MilesError(
                 f"weight update: {name!r} is not a parameter of this {model.config.model_type} model"
             )
-        if tuple(tensor.shape) != tuple(params[name].shape):
+        loader = loaders.get(name)  # packed INT4 is stored in another shape: compare the layer's own
+        shape = (loader.out_features, loader.in_features) if loader is not None else tuple(params[name].shape)
+        if tuple(tensor.shape) != shape:
             raise MilesError(
-                f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(params[name].shape)}"
+                f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's is {shape}"
             )
         todo.append((name, params[name], tensor))
     with torch.no_grad():

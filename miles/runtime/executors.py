@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from miles.config.schema import RunConfig
 from miles.models.checkpoint import hf_state_dict
-from miles.quant.convert import prepare_rollout_model, prepare_train_model
+from miles.quant.convert import check_at_start, prepare_rollout_model, prepare_train_model
 from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
@@ -48,6 +48,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
         sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,
         sync_cfg.rollout_num_gpus or 1,
     )
+    check_at_start(policy, cfg)
     if on_ray(cfg):
         return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device

@@ -23,7 +23,7 @@ from miles.data.run_data import RunData, build_data
 from miles.errors import ConfigError, MilesError
 from miles.models import registry
 from miles.models.checkpoint import save_model
-from miles.quant.convert import mode_at, spec_for, start_mode
+from miles.quant.convert import low_precision, mode_at, start_mode
 from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
@@ -31,7 +31,7 @@ from miles.rollout.groups import collect_groups, evaluate
 from miles.rollout.partial import PartialRollout
 from miles.runtime.devices import resolve_device
 from miles.runtime.executors import build_executor, on_ray
-from miles.runtime.memory import memory_metrics, step_peak_memory
+from miles.runtime.memory import describe_bytes, memory_metrics, step_peak_memory
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
 from miles.runtime.protocols import Rollout, Trainer
@@ -130,6 +130,7 @@ def run_loop(run: Run) -> Path:
     cfg = run.cfg
     log.debug("weight sync: %s, every %d rollout(s)", run.sync.name, cfg.sync.update_weights_interval)
     start = resume(cfg, run.policy, run.trainer, run.sync, run.data, run.metrics, run.critic)
+    log_memory_at_start(run)
     last_eval = float("nan")
     if start == 0 and run.data.eval_items:
         initial = evaluate(run.rollout, run.data.eval_items, cfg, run.rewards)
@@ -186,10 +187,11 @@ def run_loop(run: Run) -> Path:
 
 
 def switch_precision(run: Run, rollout_id: int) -> dict[str, float]:
-    """--warmup-precision bf16: the FP8 layers of the trainer and the engines compute in bf16 for
-    the first --warmup-steps rollouts, then in FP8 (the switch is logged; `fp8_enabled` marks each
-    step). A run resumed past the warm-up switches at its first step."""
-    if spec_for(run.cfg.precision) is None:
+    """--warmup-precision bf16: the FP8/INT4 layers of the trainer and the engines compute in bf16
+    for the first --warmup-steps rollouts, then in FP8/INT4 (the switch is logged; `fp8_enabled` or
+    `int4_enabled` marks each step). A run resumed past the warm-up switches at its first step."""
+    kind = low_precision(run.cfg)
+    if kind is None:
         return {}
     mode = mode_at(run.cfg, rollout_id)
     if mode != run.precision_mode:
@@ -198,9 +200,9 @@ def switch_precision(run: Run, rollout_id: int) -> dict[str, float]:
             run.rollout.set_precision(mode)
             # the engines re-quantize from the trainer's fp32 weights, not from what they held
             run.sync.push(run.rollout.weight_version)
-            log.info("rollout %d: FP8 layers now compute in %s", rollout_id, mode)
+            log.info("rollout %d: %s layers now compute in %s", rollout_id, kind.upper(), mode)
         run.precision_mode = mode
-    return {"fp8_enabled": float(mode == "fp8")}
+    return {f"{kind}_enabled": float(mode == kind)}
 
 
 def due(interval: int, rollout_id: int) -> bool:
@@ -335,6 +337,15 @@ def memory_step(run: Run) -> dict[str, float]:
         if per_process:
             out.update(memory_metrics(role, per_process))
     return out
+
+
+def log_memory_at_start(run: Run) -> None:
+    """Where memory goes before the first step: a training rank's weights/grads/optimizer state
+    and an engine's weights by dtype (the per-step figures are the `mem_*` metrics)."""
+    for role, per_process in (("trainer", run.trainer.peak_memory()), ("engine", run.rollout.peak_memory())):
+        if per_process:
+            report = {k: v for k, v in per_process[0].items() if not k.startswith(("peak_rss", "cuda_max"))}
+            log.info("memory at start, one %s: %s", role, describe_bytes(report) or "nothing held yet")
 
 
 def check_training(cfg: RunConfig, metrics: dict[str, float], rollout_id: int) -> None:

@@ -44,3 +44,39 @@ def memory_metrics(role: str, per_process: list[dict[str, int]]) -> dict[str, fl
     """`mem_<role>_<what>_gb`: the largest over the role's processes (ranks, engines)."""
     keys = {k for p in per_process for k in p}
     return {f"mem_{role}_{k}_gb": max(p.get(k, 0) for p in per_process) / 1e9 for k in sorted(keys)}
+
+
+def _local(t):
+    """A tensor's own bytes in this process (an FSDP DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def weight_memory(model) -> dict[str, int]:
+    """Bytes of a model's weights and buffers by dtype (`weights_float32`, `weights_uint8`, ...):
+    where a quantized engine's memory goes."""
+    out: dict[str, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        key = "weights_" + str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + _nbytes(t)
+    return out
+
+
+def training_memory(model, optimizer) -> dict[str, int]:
+    """Bytes a trainer holds for its policy: weights, gradients and optimizer state."""
+    params = list(model.parameters())
+    return {
+        "weights": sum(_nbytes(p) for p in params),
+        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            _nbytes(v) for state in optimizer.state.values() for v in state.values() if hasattr(v, "numel")
+        ),
+    }
+
+
+def describe_bytes(report: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report.items() if v)

@@ -168,9 +168,9 @@ class TrainerActor(GroupSender):
         return ray.get_runtime_context().get_node_id()
 
     def peak_memory(self) -> dict[str, int]:
-        from miles.runtime.memory import step_peak_memory
+        from miles.runtime.memory import step_peak_memory, training_memory
 
-        return step_peak_memory(self.device)
+        return step_peak_memory(self.device) | training_memory(self.actor.model, self.actor.optimizer)
 
     def offload(self) -> int:
         return self.actor.offload()

@@ -157,8 +157,10 @@ class PolicyTrainer:
         return []
 
     def peak_memory(self) -> list[dict[str, int]]:
-        """None of its own: it shares the driver's process (`mem_driver_*`), and its GPU."""
-        return []
+        """Its weights, gradients and optimizer state; its peak RSS is the driver's (`mem_driver_*`)."""
+        from miles.runtime.memory import training_memory
+
+        return [training_memory(self.model, self.optimizer)]
 
     def set_precision(self, mode: str) -> None:
         """bf16 (precision warm-up) or fp8 for the FP8 layers of the policy and the reference."""
