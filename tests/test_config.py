@@ -83,7 +83,13 @@ def test_every_guide_flag_is_listed_in_help():
             ["--warmup-precision", "bf16", "--warmup-steps", "3"],
             "--warmup-precision has no effect without FP8 or INT4",
         ),
-        (["--spec-lookahead", "3"], "--spec-lookahead is not available yet"),
+        (["--online-sft-interval", "5"], "--online-sft-interval has no effect without a draft"),
+        (
+            ["--draft-model", "ngram", "--online-sft-interval", "5"],
+            "--draft-model ngram has no weights to train",
+        ),
+        (["--draft-model", "auto", "--draft-ema-decay", "0.99"], "act on a draft trained online"),
+        (["--draft-model", "ngram", "--draft-layers", "2"], "--draft-layers sizes --draft-model auto"),
         (
             ["--int4-group-size", "64"],
             "--int4-group-size (or OPEN_TRAINING_INT4_GROUP_SIZE) has no effect without INT4",

@@ -61,7 +61,6 @@ def option(
 
 
 NOT_YET_FP8 = "FP8 training/rollout is not built yet (planned: miles.quant)"
-NOT_YET_SPEC = "speculative rollout with a draft model is not built yet"
 NOT_YET_EP = (
     "expert parallelism is not built yet; to fit a large MoE, --data-parallel fsdp shards the experts (with "
     "their gradients and optimizer state) over the training ranks, and --rollout-num-gpus-per-engine splits "

@@ -336,6 +336,46 @@ def validate_precision(cfg: RunConfig) -> None:
     _quantized_engine_limits(cfg, what, "FP8 blocks", "FP8 codes")
 
 
+def validate_speculative(cfg: RunConfig) -> None:
+    """Draft settings need a draft; an n-gram draft has no weights to train."""
+    spec = cfg.speculative
+    given = [
+        flag
+        for flag, value in (
+            ("--online-sft-interval", spec.online_sft_interval),
+            ("--draft-ema-decay", spec.draft_ema_decay is not None),
+            ("--reinit-draft-interval", spec.reinit_draft_interval),
+            ("--profile-speculative", spec.profile_speculative),
+            ("--draft-layers", spec.draft_layers != 1),
+        )
+        if value
+    ]
+    if spec.draft_model is None:
+        if given:
+            raise ConfigError(
+                f"{given[0]} has no effect without a draft; add --draft-model auto (or ngram, or a path)"
+            )
+        return
+    trained = [
+        f for f in given if f in ("--online-sft-interval", "--draft-ema-decay", "--reinit-draft-interval")
+    ]
+    if spec.draft_model == "ngram" and trained:
+        raise ConfigError(
+            f"{trained[0]}: --draft-model ngram has no weights to train; use --draft-model auto"
+        )
+    if cfg.sync.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            "--draft-model with --rollout-num-gpus-per-engine > 1: a draft for a tensor-parallel engine is not built "
+            "yet; use one device per engine"
+        )
+    if spec.draft_layers != 1 and spec.draft_model != "auto":
+        raise ConfigError("--draft-layers sizes --draft-model auto; remove it or use --draft-model auto")
+    if (spec.draft_ema_decay is not None or spec.reinit_draft_interval) and not spec.online_sft_interval:
+        raise ConfigError(
+            "--draft-ema-decay and --reinit-draft-interval act on a draft trained online; add --online-sft-interval N"
+        )
+
+
 def validate(given: RunConfig) -> RunConfig:
     """Check every setting, before any work; return the resolved configuration (the global
     batch, a micro-batch capped at it, --use-tis implied by --tis-threshold, DEBUG implied by
@@ -399,6 +439,7 @@ def validate(given: RunConfig) -> RunConfig:
     if algo.tis_clip_low > algo.tis_clip:
         raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
     validate_precision(cfg)
+    validate_speculative(cfg)
     if rollout.partial_rollout and cfg.sync.rollout_num_gpus_per_engine > 1:
         raise ConfigError(
             "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "

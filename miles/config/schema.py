@@ -13,7 +13,6 @@ from miles.config.fields import (
     NOT_YET_EP,
     NOT_YET_MA,
     NOT_YET_MOE,
-    NOT_YET_SPEC,
     option,
 )
 
@@ -397,26 +396,45 @@ class PrecisionSection:
 
 @dataclass
 class SpeculativeSection:
-    """Speculative rollout with a draft model."""
+    """Speculative rollout: a draft proposes tokens, the policy verifies them (exact sampling)."""
 
-    draft_model: str | None = option(None, "draft model for speculative decoding", available=NOT_YET_SPEC)
-    spec_lookahead: int | None = option(
-        None, "draft tokens proposed per step", available=NOT_YET_SPEC, bounds="[1, inf)"
-    )
-    online_sft_interval: int | None = option(
+    draft_model: str | None = option(
         None,
-        "SFT the draft on the policy's rollouts every N steps",
-        available=NOT_YET_SPEC,
+        "speculative decoding in the rollout engine: auto (a copy of the policy's first --draft-layers blocks, "
+        "embedding and lm_head) | ngram (continues the longest recent match of the context's suffix; no model) | "
+        "a checkpoint path (same tokenizer). Tokens follow the policy's distribution exactly; log-probs are the "
+        "policy's. A draft above 1/4 of the policy's parameters gets a warning",
+    )
+    draft_layers: int = option(
+        1, "with --draft-model auto: how many of the policy's blocks the draft keeps", bounds="[1, inf)"
+    )
+    spec_lookahead: int = option(5, "draft tokens proposed per policy pass (k)", bounds="[1, inf)")
+    spec_max_batch_size: int = option(
+        16,
+        "speculation runs while at most this many requests decode; above it one policy pass per token is "
+        "cheaper than verifying k proposals for every row",
         bounds="[1, inf)",
     )
-    draft_lr: float | None = option(None, "draft learning rate", available=NOT_YET_SPEC, bounds="(0, inf)")
+    online_sft_interval: int = option(
+        0,
+        "every N RL steps, train the draft on the latest rollouts (next-token cross-entropy on the policy's "
+        "samples; the policy is untouched) and send it to the engines; 0: a frozen draft",
+        bounds="[0, inf)",
+    )
+    draft_lr: float = option(1e-3, "learning rate of the draft's online training (AdamW)", bounds="(0, inf)")
     draft_ema_decay: float | None = option(
-        None, "EMA of draft weights", available=NOT_YET_SPEC, bounds="[0, 1]"
+        None, "keep an EMA of the draft's weights with this decay and serve the EMA", bounds="[0, 1)"
     )
-    reinit_draft_interval: int | None = option(
-        None, "re-initialise the draft every N steps", available=NOT_YET_SPEC, bounds="[1, inf)"
+    reinit_draft_interval: int = option(
+        0,
+        "every N RL steps, rebuild the draft from the current policy (auto) or its checkpoint; 0: never",
+        bounds="[0, inf)",
     )
-    profile_speculative: bool = option(False, "profile speculative decoding", available=NOT_YET_SPEC)
+    profile_speculative: bool = option(
+        False,
+        "log a table per step: acceptance by draft position, tokens per policy pass, draft/verify time, and "
+        "the lookahead that would maximise throughput at the measured acceptance",
+    )
 
 
 @dataclass

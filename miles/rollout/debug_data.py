@@ -77,6 +77,12 @@ class ReplayRollout:
     def peak_memory(self) -> list[dict[str, int]]:
         return []
 
+    def update_draft(self, state) -> None:
+        """No engine: no draft."""
+
+    def take_spec_stats(self) -> None:
+        return None
+
     def set_precision(self, mode: str) -> None:
         """No engine: nothing computes rollouts here."""
 

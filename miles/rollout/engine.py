@@ -24,6 +24,7 @@ from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.rollout.sampling import SamplingParams, sample_tokens
+from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
 from miles.rollout.weights import apply_named_tensors
 
 
@@ -64,8 +65,10 @@ class Engine:
         max_seq_len: int | None = None,
         seed: int = 0,
         admit_batch: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model.eval()
+        self.speculator = speculator  # speculative decoding (miles/rollout/speculative.py), or None
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
         self.slots = max_batch_size
@@ -214,6 +217,20 @@ class Engine:
         """Ray nodes of the engine processes: none, it runs in this one."""
         return []
 
+    def update_draft(self, state: dict[str, torch.Tensor]) -> None:
+        """New weights for the speculative draft (online training), applied between steps."""
+        with self._turnstile, self._step_lock:
+            draft = self.speculator.draft
+            draft.model.load_state_dict(state)
+            draft.invalidate()
+
+    def take_spec_stats(self) -> SpecStats | None:
+        """The speculative-decoding counts since the last call (None without a draft)."""
+        if self.speculator is None:
+            return None
+        with self._step_lock:
+            return self.speculator.take_stats()
+
     def set_precision(self, mode: str) -> None:
         """bf16 (precision warm-up) or fp8 for the FP8 layers, between decoding steps."""
         from miles.quant.convert import set_mode
@@ -284,6 +301,8 @@ class Engine:
             stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self._eos)
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
             self._running[state.slot] = state
+            if self.speculator is not None:
+                self.speculator.draft.reset(state.slot)
             new.append(state)
         if not new:
             return []
@@ -337,6 +356,78 @@ class Engine:
         return out.logits[index.to(dev), 0]
 
     def _decode(self) -> list[Sample]:
+        spec = self.speculator
+        if spec is not None:
+            if len(self._running) <= spec.max_batch:
+                room = min(self.max_seq_len - s.length for s in self._running.values())
+                if room >= 1:
+                    return self._decode_speculative(min(spec.k, room))
+            spec.stats.plain_steps += 1
+        return self._decode_plain()
+
+    def _params(self, states: list[_Running]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        params = [s.request.params for s in states]
+        return (
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+        )
+
+    def _decode_speculative(self, k: int) -> list[Sample]:
+        """Up to k + 1 tokens for every running request from one pass of the policy: the draft
+        proposes k, the policy scores them all at once, exact speculative sampling keeps a prefix
+        and draws the token after it. Keys and values of rejected positions stay in the cache
+        past the sequence's end, masked by position and overwritten later."""
+        spec, timer = self.speculator, Timer()
+        states = sorted(self._running.values(), key=lambda s: s.slot)
+        temperature, top_k, top_p = self._params(states)
+        seqs = [list(s.request.prompt_ids) + s.response for s in states]
+        generators = [s.generator for s in states]
+        proposed, q = spec.draft.propose(
+            [s.slot for s in states], seqs, k, temperature, top_k, top_p, generators
+        )
+        proposed = [list(map(int, row)) for row in proposed]
+        spec.stats.draft_seconds += timer.lap()
+        width = max(len(row) for row in proposed) + 1
+        span = states[-1].slot + 1
+        ids = torch.zeros(span, width, dtype=torch.long)
+        positions = torch.arange(width).repeat(span, 1)  # free slots: a dummy at positions 0..k
+        busy = torch.tensor([s.slot for s in states])
+        for s, row in zip(states, proposed):
+            ids[s.slot, : len(row) + 1] = torch.tensor([s.response[-1], *row])
+            positions[s.slot] = torch.arange(s.length - 1, s.length - 1 + width)
+        out = self._forward_slots(ids, positions)
+        logits = out.logits[busy.to(self.device)]
+        p = sampling_probs(logits, temperature, top_k, top_p).cpu()
+        t = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+        logp = (logits / t[:, None, None]).log_softmax(-1).cpu()
+        q = q.cpu() if q is not None else None
+        routed = (
+            out.routed_experts[busy.to(self.device)].to(torch.int32).cpu().numpy() if self.is_moe else None
+        )
+        spec.stats.verify_seconds += timer.lap()
+        spec.stats.passes += 1
+        finished = []
+        for b, (s, row) in enumerate(zip(states, proposed)):
+            if q is not None:
+                qb = q[b, : len(row)]
+            else:  # a certain proposal (n-gram): q is one-hot
+                qb = torch.zeros(len(row), p.shape[-1]).scatter_(
+                    -1, torch.tensor(row, dtype=torch.long)[:, None], 1.0
+                )
+            n, following = accept(row, qb, p[b, : len(row) + 1], s.generator)
+            spec.stats.record(len(row), n)
+            spec.draft.keep(s.slot, s.length + min(n, len(row) - 1))
+            if routed is not None:  # the policy's routing of every fed token that was kept
+                s.routed.append(routed[b, : n + 1])
+            for i, token in enumerate(row[:n] + [following]):
+                sample = self._append(s, token, float(logp[b, i, token]))
+                if sample is not None:
+                    finished.append(sample)
+                    break
+        return finished
+
+    def _decode_plain(self) -> list[Sample]:
         """One token for every running request, over the slot range [0, highest busy slot].
 
         Free slots inside the range run a dummy token at position 0 (harmless: a new request's
@@ -350,40 +441,42 @@ class Engine:
         ids[busy, 0] = torch.tensor([s.response[-1] for s in states])
         positions[busy, 0] = torch.tensor([s.length - 1 for s in states])
         busy = busy.to(self.device)
-        with torch.no_grad():
-            out = self.model(
-                ids.to(self.device),
-                positions=positions.to(self.device),
-                cache=self.cache,
-                cache_rows=slice(0, span),
-            )
+        out = self._forward_slots(ids, positions)
         if self.is_moe:
             routed = out.routed_experts[busy, 0].to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed.append(routed[b : b + 1])
         return self._emit(states, out.logits[busy, -1])
 
+    @torch.no_grad()
+    def _forward_slots(self, ids: torch.Tensor, positions: torch.Tensor):
+        """The policy over cache slots [0, len(ids)): a view of the cache, which beats gathering rows."""
+        return self.model(
+            ids.to(self.device),
+            positions=positions.to(self.device),
+            cache=self.cache,
+            cache_rows=slice(0, len(ids)),
+        )
+
     def _emit(self, states: list[_Running], logits: torch.Tensor) -> list[Sample]:
         """Sample one token for each state from `logits`; finish the ones that stop."""
-        params = [s.request.params for s in states]
-        tokens, logprobs = sample_tokens(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-            [s.generator for s in states],
-        )
+        tokens, logprobs = sample_tokens(logits, *self._params(states), [s.generator for s in states])
         finished = []
         for s, tok, lp in zip(states, tokens.tolist(), logprobs.tolist()):
-            s.response.append(tok)
-            s.logprobs.append(lp)
-            s.token_versions.append(self.weight_version)
-            if not s.versions or s.versions[-1] != self.weight_version:
-                s.versions.append(self.weight_version)
-            stop = self._stop_status(s, tok)
-            if stop is not None:
-                finished.append(self._finish(s, *stop))
+            sample = self._append(s, tok, lp)
+            if sample is not None:
+                finished.append(sample)
         return finished
+
+    def _append(self, s: _Running, token: int, logprob: float) -> Sample | None:
+        """Add one generated token to a request; its sample when this token ends it."""
+        s.response.append(token)
+        s.logprobs.append(logprob)
+        s.token_versions.append(self.weight_version)
+        if not s.versions or s.versions[-1] != self.weight_version:
+            s.versions.append(self.weight_version)
+        stop = self._stop_status(s, token)
+        return None if stop is None else self._finish(s, *stop)
 
     def _stop_status(self, s: _Running, token: int) -> tuple[Status, dict] | None:
         """(status, SGLang-style finish_reason) when this token ends the request."""
@@ -414,6 +507,8 @@ class Engine:
         sample.metadata["finish_reason"] = reason or {"type": "abort"}
         if self.tokenizer is not None:
             sample.response = self.tokenizer.decode(s.response, skip_special_tokens=True)
+        if self.speculator is not None and hasattr(self.speculator.draft, "observe"):
+            self.speculator.draft.observe(sample.tokens)
         if self.is_moe:
             # every token fed through the model: all but the newest -> (tokens - 1, layers, k)
             routed = np.concatenate(s.routed) if s.routed else np.zeros((0,), np.int32)

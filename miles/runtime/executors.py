@@ -15,6 +15,7 @@ from miles.config.schema import RunConfig
 from miles.models.checkpoint import hf_state_dict
 from miles.quant.convert import check_at_start, prepare_rollout_model, prepare_train_model
 from miles.rollout.debug_data import NoSync, ReplayRollout
+from miles.rollout.drafts import speculator_for
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
 from miles.runtime.protocols import Rollout, Trainer
@@ -40,7 +41,7 @@ def on_ray(cfg: RunConfig) -> bool:
     )
 
 
-def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Executor:
+def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=None) -> Executor:
     """The trainer/rollout pair for --actor-num-nodes x --actor-num-gpus-per-node training ranks
     and --rollout-num-gpus engine devices, and the weight sync between them."""
     sync_cfg, rollout_cfg = cfg.sync, cfg.rollout
@@ -55,12 +56,14 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int) -> Execu
     if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts (one process only)
         replay = ReplayRollout(tokenizer)
         return Executor(PolicyTrainer(prepare_train_model(policy, cfg), cfg), replay, NoSync(replay))
+    slots = rollout_cfg.rollout_max_batch_size
     engine = Engine(
         prepare_rollout_model(copy.deepcopy(policy), cfg),
         tokenizer,
-        rollout_cfg.rollout_max_batch_size,
+        slots,
         max_seq_len=max_seq_len,
         seed=rollout_cfg.rollout_seed,
+        speculator=speculator_for(cfg.speculative, policy, slots, max_seq_len, draft),
     )
     trainer = PolicyTrainer(prepare_train_model(policy, cfg), cfg)
     return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))

@@ -27,6 +27,7 @@ from miles.quant.convert import low_precision, mode_at, start_mode
 from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
+from miles.rollout.drafts import load_draft
 from miles.rollout.groups import collect_groups, evaluate
 from miles.rollout.partial import PartialRollout
 from miles.runtime.devices import resolve_device
@@ -35,6 +36,7 @@ from miles.runtime.memory import describe_bytes, memory_metrics, step_peak_memor
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
 from miles.runtime.protocols import Rollout, Trainer
+from miles.runtime.speculation import OnlineDraft
 from miles.runtime.train_state import resume, save_checkpoint
 from miles.sync.strategy import WeightSync
 from miles.train.critic import Critic, value_model
@@ -60,6 +62,7 @@ class Run:
     run_dir: Path
     precision_mode: str = ""  # bf16 | fp8 of the FP8 layers now (see switch_precision)
     critic: Critic | None = None  # --advantage-estimator ppo (a RayCritic on Ray ranks)
+    speculation: OnlineDraft | None = None  # --draft-model: spec_* metrics, online draft training
 
 
 def train(cfg: RunConfig) -> Path:
@@ -98,8 +101,13 @@ def train(cfg: RunConfig) -> Path:
     if cfg.algo.advantage_estimator == "ppo" and not on_ray(cfg):  # from the policy as loaded, before FP8
         model = value_model(policy, cfg.algo.critic_model, cfg.train.seed)
         critic = Critic(model.to(resolve_device(cfg.model.device)), cfg)
+    draft = (
+        load_draft(cfg.speculative, policy, resolve_device(cfg.model.device))
+        if cfg.speculative.draft_model
+        else None
+    )
     try:
-        executor = build_executor(cfg, policy, tokenizer, max_seq_len)
+        executor = build_executor(cfg, policy, tokenizer, max_seq_len, draft=draft)
         if cfg.algo.advantage_estimator == "ppo" and critic is None:  # the training ranks hold it
             from miles.runtime.ray_train import RayCritic
 
@@ -118,6 +126,10 @@ def train(cfg: RunConfig) -> Path:
                 cfg, policy, tokenizer, data, rewards, keep,
                 executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic,
             )  # fmt: skip
+            if cfg.speculative.draft_model:
+                run.speculation = OnlineDraft(
+                    cfg.speculative, executor.rollout, draft, lambda: rebuild_draft(run)
+                )
             return run_loop(run)
         finally:
             executor.rollout.shutdown()  # Ray: stop the actors, free the placement group
@@ -157,6 +169,8 @@ def run_loop(run: Run) -> Path:
         t1 = time.perf_counter()
         if groups and not cfg.debug.debug_rollout_only:
             step.update(train_and_sync(run, groups, rollout_id, profiler))
+        if run.speculation is not None:
+            step.update(run.speculation.step(rollout_id, [s for g in groups for s in g]))
         t2 = time.perf_counter()
         step.update(
             rollout_time=t1 - t0, train_time=t2 - t1, step_time=t2 - t0, weight_version=run.rollout.weight_version,
@@ -184,6 +198,13 @@ def run_loop(run: Run) -> Path:
         run.trainer.sync_policy()
         save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
     return run.run_dir
+
+
+def rebuild_draft(run: Run):
+    """--reinit-draft-interval: the draft built again, from the policy as trained so far (auto) or
+    from its checkpoint."""
+    run.trainer.sync_policy()
+    return load_draft(run.cfg.speculative, run.policy, run.policy.lm_head.weight.device)
 
 
 def switch_precision(run: Run, rollout_id: int) -> dict[str, float]:

@@ -79,11 +79,16 @@ class EngineActor:
         # a tensor-parallel rank reads only its own part of the checkpoint
         policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
-        if run_cfg is not None:  # the run's configuration, as the driver resolved it (FP8)
+        speculator = None
+        if run_cfg is not None:  # the run's configuration, as the driver resolved it (FP8, INT4, draft)
             from miles.quant.convert import prepare_rollout_model
+            from miles.rollout.drafts import speculator_for
 
+            speculator = speculator_for(run_cfg.speculative, policy, max_batch_size, max_seq_len)
             policy = prepare_rollout_model(policy, run_cfg)
-        self.engine = Engine(policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed)
+        self.engine = Engine(
+            policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed, speculator=speculator
+        )
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
 
     def _mine(self, named):
@@ -182,6 +187,12 @@ class EngineActor:
     def set_precision(self, mode: str) -> None:
         self.engine.set_precision(mode)
 
+    def update_draft(self, state: dict[str, torch.Tensor]) -> None:
+        self.engine.update_draft(state)
+
+    def take_spec_stats(self):
+        return self.engine.take_spec_stats()
+
 
 class RolloutManager:
     """Spreads requests over `num_engines` engines; recovers from an actor's death. An engine is
@@ -216,6 +227,7 @@ class RolloutManager:
         self._handles: bytes | None = None
         self._source = None  # the trainer side of the weight-update group (--sync-transport broadcast)
         self._group_formed = False
+        self._draft: ray.ObjectRef | None = None  # the speculative draft's latest weights (online training)
         self._bucket_bytes = 512 * 1024**2
         self.placement = None  # set by the executor that reserved the bundles; freed by shutdown()
         self.version = 0
@@ -334,6 +346,16 @@ class RolloutManager:
     def set_precision(self, mode: str) -> None:
         ray.get([a.set_precision.remote(mode) for a in self.actors])
 
+    def update_draft(self, state: dict[str, torch.Tensor]) -> None:
+        """The draft's new weights to every engine (one object-store copy, read by all)."""
+        self._draft = ray.put(state)  # kept: a restarted engine gets it back in _resync
+        ray.get([a.update_draft.remote(self._draft) for a in self.actors])
+
+    def take_spec_stats(self):
+        from miles.rollout.speculative import SpecStats
+
+        return SpecStats.merge(ray.get([a.take_spec_stats.remote() for a in self.actors]))
+
     def node_ids(self) -> list[str]:
         """The Ray node of each engine actor."""
         return ray.get([a.node_id.remote() for a in self.actors])
@@ -385,7 +407,10 @@ class RolloutManager:
                 time.sleep(0.2)
 
     def _resync(self, actors: list) -> list[ray.ObjectRef]:
-        """The latest weights to `actors`, by the way the last sync went (a ping before any sync)."""
+        """The latest weights to `actors`, by the way the last sync went (a ping before any sync),
+        and the draft's latest weights when it is trained online."""
+        if self._draft is not None:
+            ray.get([a.update_draft.remote(self._draft) for a in actors])
         if self._handles is not None:
             return [a.update_weights_from_handles.remote(self._handles, self.version) for a in actors]
         if self._source is not None and not self._buckets:  # broadcast sync: via the object store,

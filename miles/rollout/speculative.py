@@ -1,0 +1,164 @@
+"""Speculative decoding: a cheap draft proposes k tokens, the policy checks them in one pass.
+
+Exact speculative sampling: with q the draft's distribution and p the policy's (both after
+temperature, top-k and top-p), a proposed token x is accepted with probability min(1, p(x)/q(x));
+at the first rejection the token is drawn from norm(max(0, p - q)) instead, and when all k are
+accepted a bonus token is drawn from p. The tokens then follow p exactly, whatever the draft, and
+the log-probs recorded for RL come from the policy's own verify pass. A draft only changes how
+many tokens one policy pass yields: (1 - a^(k+1)) / (1 - a) on average for acceptance a.
+
+Drafts: `ModelDraft` (a smaller causal LM with its own KV cache, e.g. the policy's first layers)
+and `NgramDraft` (continues the longest recent match of the context's suffix; nearly free).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.rollout.sampling import allowed_logits
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The distribution a token is sampled from: softmax of the temperature-scaled logits over the
+    top-k/top-p set; one-hot at the argmax for greedy rows. logits (B, T, V), params (B,)."""
+    B, T, V = logits.shape
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    flat = (logits.float() / t[:, None, None]).reshape(B * T, V)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        flat = allowed_logits(flat, top_k.repeat_interleave(T), top_p.repeat_interleave(T))
+    probs = flat.softmax(-1).reshape(B, T, V)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], onehot, probs)
+    return probs
+
+
+def accept(
+    proposed: Sequence[int],
+    q: torch.Tensor,  # (k, V) the draft's distributions the proposals were drawn from
+    p: torch.Tensor,  # (k + 1, V) the policy's at the same positions, and one more
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """(how many proposals are accepted, the token that follows them) by exact speculative sampling."""
+    for i, x in enumerate(proposed):
+        px, qx = float(p[i, x]), float(q[i, x])
+        if qx > 0 and float(torch.rand((), generator=generator)) * qx < px:
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: draw from p
+            residual = p[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(proposed), int(torch.multinomial(p[len(proposed)], 1, generator=generator))
+
+
+@dataclass
+class SpecStats:
+    """Counts since the last `take`: what each step's metrics report."""
+
+    k: int
+    proposed: int = 0
+    accepted: int = 0
+    passes: int = 0  # verify passes of the policy (one per speculative step)
+    rows: int = 0  # request-steps verified (one per running request per pass)
+    emitted: int = 0  # tokens those request-steps produced (accepted + one each)
+    at_position: list[int] = field(default_factory=list)  # accepted proposals by draft position
+    offered: list[int] = field(
+        default_factory=list
+    )  # proposals checked at each position (all before it accepted)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    plain_steps: int = 0  # decoding steps that ran without speculation (batch above the limit)
+
+    def __post_init__(self) -> None:
+        self.at_position = [0] * self.k
+        self.offered = [0] * self.k
+
+    def record(self, n_proposed: int, n_accepted: int) -> None:
+        self.proposed += n_proposed
+        self.accepted += n_accepted
+        self.rows += 1
+        self.emitted += n_accepted + 1
+        for i in range(min(n_accepted + 1, n_proposed)):  # positions this row reached
+            self.offered[i] += 1
+            self.at_position[i] += int(i < n_accepted)
+
+    @staticmethod
+    def merge(parts: Sequence[SpecStats]) -> SpecStats | None:
+        """Several engines' counts as one (None when no engine speculates)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        out = SpecStats(max(p.k for p in parts))
+        for p in parts:
+            for name in ("proposed", "accepted", "passes", "rows", "emitted", "plain_steps"):
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+            out.draft_seconds = max(out.draft_seconds, p.draft_seconds)  # engines run side by side
+            out.verify_seconds = max(out.verify_seconds, p.verify_seconds)
+            for i in range(p.k):
+                out.at_position[i] += p.at_position[i]
+                out.offered[i] += p.offered[i]
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        if not self.rows:
+            return {"spec_plain_steps": float(self.plain_steps)} if self.plain_steps else {}
+        out = {
+            # per checked proposal: the a of (1 - a^(k+1)) / (1 - a), next to the whole-proposal share
+            "spec_accept_rate": self.accepted / max(sum(self.offered), 1),
+            "spec_accepted_share": self.accepted / max(self.proposed, 1),
+            "spec_accepted_len_mean": self.accepted / self.rows,
+            "spec_tokens_per_pass": self.emitted / self.rows,
+            "spec_draft_seconds": self.draft_seconds,
+            "spec_verify_seconds": self.verify_seconds,
+            "spec_plain_steps": float(self.plain_steps),
+        }
+        for i, (a, o) in enumerate(zip(self.at_position, self.offered)):
+            if o:
+                out[f"spec_accept_pos{i + 1}"] = a / o
+        return out
+
+
+def expected_tokens_per_pass(a: float, k: int) -> float:
+    """(1 - a^(k+1)) / (1 - a): tokens one verify pass yields with per-token acceptance a."""
+    return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def best_lookahead(a: float, draft_seconds_per_token: float, verify_seconds: float, k_max: int = 8) -> int:
+    """The lookahead that maximises expected tokens per second, for a measured acceptance and costs."""
+    rate = {
+        k: expected_tokens_per_pass(a, k) / (verify_seconds + k * draft_seconds_per_token)
+        for k in range(1, k_max + 1)
+    }
+    return max(rate, key=rate.get)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
+
+
+class Speculator:
+    """What an engine needs to decode speculatively: the draft, the lookahead k, the batch size above
+    which speculation is off (a verify pass over many rows costs more than the tokens it saves),
+    and the counts behind the spec_* metrics."""
+
+    def __init__(self, draft, lookahead: int = 5, max_batch: int = 16) -> None:
+        self.draft, self.k, self.max_batch = draft, lookahead, max_batch
+        self.stats = SpecStats(lookahead)
+
+    def take_stats(self) -> SpecStats:
+        """The counts since the last call."""
+        out, self.stats = self.stats, SpecStats(self.k)
+        return out

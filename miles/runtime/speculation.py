@@ -1,0 +1,65 @@
+"""The speculative draft across RL steps: its metrics, its online training and its restarts.
+
+Each step reads the engines' speculative-decoding counts (acceptance overall and by draft
+position, tokens per policy pass, draft and verify seconds); with --online-sft-interval N the
+draft trains on that step's rollouts every N steps and the engines get its (EMA) weights; with
+--reinit-draft-interval M it is rebuilt from the current policy every M steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from miles.rollout.speculative import best_lookahead, expected_tokens_per_pass
+from miles.train.draft_trainer import DraftTrainer
+
+log = logging.getLogger("miles")
+
+
+class OnlineDraft:
+    def __init__(self, spec_cfg, rollout, draft=None, rebuild: Callable | None = None) -> None:
+        self.cfg, self.rollout = spec_cfg, rollout
+        self.trainer = None
+        if draft is not None and spec_cfg.online_sft_interval:
+            self.trainer = DraftTrainer(draft, spec_cfg.draft_lr, spec_cfg.draft_ema_decay, rebuild)
+
+    def step(self, rollout_id: int, samples: list) -> dict[str, float]:
+        stats = self.rollout.take_spec_stats()
+        metrics = stats.metrics() if stats is not None else {}
+        if self.cfg.profile_speculative and stats is not None and stats.rows:
+            log.info("%s", profile_table(rollout_id, stats))
+        cfg = self.cfg
+        if self.trainer is not None:
+            changed = False
+            if cfg.reinit_draft_interval and (rollout_id + 1) % cfg.reinit_draft_interval == 0:
+                self.trainer.reinit()
+                changed = True
+            if samples and (rollout_id + 1) % cfg.online_sft_interval == 0:
+                metrics.update(self.trainer.train(samples))
+                changed = True
+            if changed:
+                self.rollout.update_draft(
+                    {k: v.detach().cpu() for k, v in self.trainer.served().state_dict().items()}
+                )
+        return metrics
+
+
+def profile_table(rollout_id: int, stats) -> str:
+    """--profile-speculative: one step's acceptance curve, costs and the best lookahead for them."""
+    a = stats.accepted / max(sum(stats.offered), 1)
+    per_pass = stats.verify_seconds / max(stats.passes, 1)
+    per_draft_token = stats.draft_seconds / max(stats.passes * stats.k, 1)
+    lines = [
+        f"speculative decoding, rollout {rollout_id}: k={stats.k}, acceptance {a:.3f}, "
+        f"{stats.emitted / stats.rows:.2f} tokens per policy pass (expected {expected_tokens_per_pass(a, stats.k):.2f}), "
+        f"{stats.passes} passes, draft {stats.draft_seconds:.3f} s / verify {stats.verify_seconds:.3f} s, "
+        f"{stats.plain_steps} plain steps",
+        "  position  acceptance",
+    ]
+    for i, (acc, off) in enumerate(zip(stats.at_position, stats.offered)):
+        if off:
+            lines.append(f"  {i + 1:8d}  {acc / off:.3f}")
+    best = best_lookahead(a, per_draft_token, per_pass)
+    lines.append(f"  best --spec-lookahead for this acceptance and these costs: {best}")
+    return "\n".join(lines)
