@@ -51,12 +51,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
         print(f"miles serve: --max-seq-len {args.max_seq_len} is beyond the model's context; using {context}")
+    from types import SimpleNamespace
+
+    from miles.rollout.drafts import speculator_for
+
+    max_seq_len = min(args.max_seq_len, context)
+    spec = SimpleNamespace(
+        draft_model=args.draft_model,
+        draft_layers=args.draft_layers,
+        spec_lookahead=args.spec_lookahead,
+        spec_max_batch_size=args.max_batch_size,
+        spec_adaptive=True,
+    )
     engine = Engine(
         model,
         tokenizer,
         max_batch_size=args.max_batch_size,
-        max_seq_len=min(args.max_seq_len, context),
+        max_seq_len=max_seq_len,
         seed=args.seed,
+        speculator=speculator_for(spec, model, args.max_batch_size, max_seq_len),
     )
     server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model).start()
     print(
@@ -213,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt + response tokens per request (at most the model's context; capped there)",
     )
     serve.add_argument("--seed", type=int, default=0, help="engine seed; a request's own seed overrides it")
+    serve.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: auto (the model's first --draft-layers blocks) | ngram | a checkpoint path; "
+        "responses keep the model's own distribution and log-probs (docs/speculative.md)",
+    )
+    serve.add_argument(
+        "--draft-layers", type=number(int, 1), default=1, help="with --draft-model auto: blocks kept"
+    )
+    serve.add_argument("--spec-lookahead", type=number(int, 1), default=5, help="draft tokens per model pass")
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser(

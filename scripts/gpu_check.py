@@ -229,6 +229,27 @@ def int4_cuda_vs_cpu() -> None:
         print(f"INFO CUDA INT4 kernel not usable here: {type(e).__name__}: {e}")
 
 
+def speculative_on_cuda() -> None:
+    """Speculative decoding on the GPU (auto draft): greedy tokens equal plain decoding's."""
+    from miles.models import registry
+    from miles.rollout import Engine, Request, SamplingParams
+    from miles.rollout.drafts import ModelDraft, auto_draft
+    from miles.rollout.speculative import Speculator
+
+    policy, tokenizer = registry.load("tiny")
+    policy = policy.cuda().eval()
+    prompts = [tokenizer.encode(f"{a} + {b} =") for a, b in zip(range(10, 18), range(40, 48))]
+
+    def run(spec):
+        engine = Engine(copy.deepcopy(policy), tokenizer, 8, max_seq_len=64, seed=0, speculator=spec)
+        params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+        return [s.tokens for s in engine.generate([Request(p, params) for p in prompts])]
+
+    plain = run(None)
+    fast = run(Speculator(ModelDraft(auto_draft(policy, 1), 8, 64), 4, 8))
+    check("speculative decoding on cuda: greedy tokens = plain", fast == plain, f"{len(prompts)} requests")
+
+
 def main() -> None:
     check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
     engine_cuda_vs_cpu("tiny")
@@ -248,6 +269,10 @@ def main() -> None:
     )
     default_job_on_cuda(["--advantage-estimator", "ppo"], "default job, --device cuda, PPO with a critic")
     int4_cuda_vs_cpu()
+    speculative_on_cuda()
+    default_job_on_cuda(
+        ["--draft-model", "auto", "--online-sft-interval", "5"], "default job, speculative rollout"
+    )
     default_job_on_cuda(["--int4-qat"], "default job, --device cuda, INT4 QAT", check_weights=False)
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)

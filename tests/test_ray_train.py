@@ -359,7 +359,9 @@ def test_async_sync_on_ray_engines(ray_cluster, tmp_path, monkeypatch, transport
 
 def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypatch):
     """`miles train` with 2 engine actors; one is killed after the first step: the run finishes
-    every step with the full sample count, and the restart shows in the metrics."""
+    every step with the full sample count, and the restart shows in the metrics. The engines
+    decode speculatively with a draft trained online: its weights reach every engine (the
+    restarted one too) and each step reports the engines' merged acceptance counts."""
     import threading
     import time
 
@@ -378,7 +380,17 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
 
     monkeypatch.setattr(RolloutManager, "__init__", capture)
     cfg = load_config(
-        small_run_args(tmp_path, 6) + ["--rollout-num-gpus", "2", "--check-weight-update-equal"]
+        small_run_args(tmp_path, 6)
+        + [
+            "--rollout-num-gpus",
+            "2",
+            "--check-weight-update-equal",
+            "--draft-model",
+            "auto",
+            "--online-sft-interval",
+            "1",
+            "--no-spec-adaptive",
+        ]
     )
     run = threading.Thread(target=loop.train, args=(cfg,))
     run.start()
@@ -395,6 +407,8 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
     assert [r["rollout"] for r in rows] == list(range(6))
     assert all(r["train_samples"] == 16 and "pg_loss" in r for r in rows)  # 4 prompts x 4 samples
     assert rows[0]["engine_restarts"] == 0 and rows[-1]["engine_restarts"] >= 1
+    assert all(r["spec_tokens_per_pass"] > 1 and "draft_sft_loss" in r for r in rows)
+    assert managers[0]._draft is not None  # kept for a restarted engine's resync
 
 
 def test_ppo_critic_on_two_ranks_matches_the_local_run(ray_cluster, tmp_path):

@@ -22,7 +22,7 @@ def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("draft", ["close", "bad", "disjoint"])
 def test_acceptance_rule_samples_exactly_from_p(draft):
     gen = torch.Generator().manual_seed(0)
-    V, n = 6, 40_000
+    V, n = 6, 25_000
     p = torch.tensor([[0.05, 0.4, 0.25, 0.1, 0.15, 0.05], [0.3, 0.1, 0.1, 0.2, 0.2, 0.1]])
     q = {
         "close": p[:1] * 0.9 + 0.1 / V,
@@ -117,3 +117,86 @@ def test_temperature_one_follows_the_policy_even_with_a_bad_draft(tiny):
     assert (
         engine.speculator.stats.accepted < engine.speculator.stats.proposed
     )  # the bad draft was rejected often
+
+
+def test_a_run_with_an_online_draft_logs_acceptance_and_the_doctor_reads_it(tmp_path):
+    """`miles train --draft-model auto --online-sft-interval 1`: every step logs the spec_* metrics
+    (tokens per pass = 1 + accepted length), the draft's loss falls as it trains on the rollouts,
+    and `miles doctor` names the 1-layer draft's low acceptance with remedies that load."""
+    from miles.config import load_config
+    from miles.doctor.checks import diagnose
+    from miles.doctor.run import load_run
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+    from tests.conftest import small_run_args
+
+    out = tmp_path / "spec"
+    flags = [
+        "--draft-model",
+        "auto",
+        "--online-sft-interval",
+        "1",
+        "--spec-max-batch-size",
+        "64",
+        "--no-spec-adaptive",
+        "--eval-size",
+        "0",
+    ]
+    train(load_config(small_run_args(out, 4) + flags))
+    steps = [r for r in read_metrics(out) if "rollout" in r and r["rollout"] >= 0]
+    assert all(abs(r["spec_tokens_per_pass"] - 1 - r["spec_accepted_len_mean"]) < 1e-9 for r in steps)
+    losses = [r["draft_sft_loss"] for r in steps]
+    assert losses[-1] < losses[0]
+    findings = {f.check: f for f in diagnose(load_run(out))}
+    assert "spec_low_acceptance" in findings
+    offered = [r.flags for r in findings["spec_low_acceptance"].remedies]
+    assert ["--draft-lr", "0.003"] in offered and ["--spec-lookahead", "3"] in offered
+    for flags in offered:
+        load_config(["--config", str(out / "config.yaml"), *flags])
+
+
+def test_doctor_names_drift_and_a_draft_too_slow_for_its_acceptance(tmp_path):
+    """The frozen draft of docs/speculative.md, in numbers: acceptance 0.46 falling to 0.35, and a
+    draft costing as much as verification for 1.4 tokens per pass."""
+    import json
+
+    import yaml
+
+    from miles.doctor.checks import diagnose
+    from miles.doctor.run import load_run
+
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({"speculative": {"draft_model": "auto", "spec_lookahead": 5}})
+    )
+    rates = [0.46 - 0.11 * i / 19 for i in range(20)]
+    rows = [
+        {
+            "rollout": i,
+            "reward_mean": 0.5,
+            "spec_accept_rate": a,
+            "spec_tokens_per_pass": 1.4,
+            "spec_draft_seconds": 0.1,
+            "spec_verify_seconds": 0.1,
+        }
+        for i, a in enumerate(rates)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    findings = {f.check: f for f in diagnose(load_run(tmp_path))}
+    assert {"spec_drift", "spec_slow", "spec_low_acceptance"} <= set(findings)
+    assert ["--online-sft-interval", "5"] in [r.flags for r in findings["spec_drift"].remedies]
+    assert ["--draft-model", "ngram"] in [r.flags for r in findings["spec_slow"].remedies]
+    rows = [dict(r, spec_accept_rate=0.46, spec_draft_seconds=0.01) for r in rows]  # steady, cheap draft
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not {"spec_drift", "spec_slow"} & {f.check for f in diagnose(load_run(tmp_path))}
+
+
+def test_adaptive_speculation_takes_the_faster_way_per_batch_size_and_reexplores():
+    spec = Speculator(NgramDraft(), 4, max_batch=16, adaptive=True, explore=4)
+    assert not spec.choose(17)  # above the cap: plain
+    assert spec.choose(8)  # nothing measured yet: speculate first
+    spec.record(8, True, tokens=8, seconds=1.0)
+    assert not spec.choose(8)  # then plain, to compare
+    spec.record(8, False, tokens=24, seconds=1.0)  # plain is three times faster at this size
+    picks = [spec.choose(8) for _ in range(8)]
+    assert picks.count(True) == 2 and picks.count(False) == 6  # the slower way re-tried every 4th step
+    assert spec.choose(1)  # another bucket is measured on its own

@@ -415,6 +415,11 @@ class SpeculativeSection:
         "cheaper than verifying k proposals for every row",
         bounds="[1, inf)",
     )
+    spec_adaptive: bool = option(
+        True,
+        "below --spec-max-batch-size, measure tokens/s of speculative and plain decoding steps per batch size "
+        "and take the faster (re-trying the other every 16th step); --no-spec-adaptive speculates on every step",
+    )
     online_sft_interval: int = option(
         0,
         "every N RL steps, train the draft on the latest rollouts (next-token cross-entropy on the policy's "

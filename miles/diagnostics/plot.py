@@ -38,6 +38,7 @@ PANELS = [
         ],
     ),  # GB held for the policy: a training rank's weights/grads/optimizer, an engine's weights by dtype
     ("critic", ["value_loss", "explained_variance"]),  # PPO
+    ("speculative", ["spec_accept_rate", "spec_tokens_per_pass", "draft_sft_loss"]),  # --draft-model
 ]
 
 

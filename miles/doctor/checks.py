@@ -31,6 +31,8 @@ THRESHOLDS = {
     "memory_growth_frac": 0.1,  # ... and as a fraction of where it started
     "truncated_frac": 0.25,  # median fraction of responses cut at --rollout-max-response-len
     "accuracy_gap": 0.05,  # final held-out accuracy below the --compare run's by this much
+    "spec_accept": 0.5,  # median share of checked draft proposals the policy accepts
+    "spec_drift": 0.05,  # acceptance of the last fifth of the run below the first fifth by this much
 }
 
 
@@ -535,6 +537,116 @@ def memory_growth(run: RunRecord, compare: RunRecord | None):
             ]
             return "something keeps memory from step to step (a leak)", evidence, remedies
     return None
+
+
+# ---- speculative rollout ------------------------------------------------------------------------
+
+
+def _draft_training_remedies(run: RunRecord) -> list[Remedy]:
+    if run.setting("speculative.draft_model") == "ngram":
+        return [
+            Remedy(["--draft-model", "auto"], "a model draft, which can be trained on the policy's rollouts")
+        ]
+    if not run.setting("speculative.online_sft_interval"):
+        return [
+            Remedy(["--online-sft-interval", "5"], "train the draft on the latest rollouts every 5 steps")
+        ]
+    lr = run.setting("speculative.draft_lr", 1e-3)
+    return [
+        Remedy(
+            ["--draft-lr", f"{lr * 3:g}"],
+            f"three times this run's --draft-lr {lr:g}: the draft keeps up faster",
+        )
+    ]
+
+
+@check(
+    "spec_low_acceptance",
+    f"speculative decoding: the policy accepts under {THRESHOLDS['spec_accept']:.0%} of proposals",
+)
+def spec_low_acceptance(run: RunRecord, compare: RunRecord | None):
+    rate = run.median("spec_accept_rate")
+    if rate is None or rate >= THRESHOLDS["spec_accept"]:
+        return None
+    evidence = [Evidence("spec_accept_rate", rate, None, THRESHOLDS["spec_accept"], note="median over steps")]
+    remedies = _draft_training_remedies(run)
+    k = run.setting("speculative.spec_lookahead", 5)
+    if k > 3:
+        remedies.append(
+            Remedy(
+                ["--spec-lookahead", "3"], f"shorter proposals than {k}: late positions are rarely reached"
+            )
+        )
+    return "the draft predicts the policy poorly", evidence, remedies
+
+
+@check("spec_drift", "speculative decoding: acceptance falls as the policy trains")
+def spec_drift(run: RunRecord, compare: RunRecord | None):
+    values = [v for v in run.values("spec_accept_rate") if math.isfinite(v)]
+    if len(values) < 10:
+        return None
+    window = max(2, len(values) // 5)
+    start, end = sum(values[:window]) / window, sum(values[-window:]) / window
+    if start - end <= THRESHOLDS["spec_drift"]:
+        return None
+    evidence = [
+        Evidence(
+            "spec_accept_rate",
+            end,
+            None,
+            note=f"mean of the last {window} steps, from {start:.3g} in the first {window}",
+        )
+    ]
+    remedies = _draft_training_remedies(run)
+    if run.setting("speculative.online_sft_interval"):
+        if run.setting("speculative.draft_ema_decay") is None:
+            remedies.append(Remedy(["--draft-ema-decay", "0.99"], "serve an average of the draft: steadier"))
+        if not run.setting("speculative.reinit_draft_interval"):
+            every = 1000 if len(values) >= 2000 else max(10, len(values) // 2)
+            remedies.append(
+                Remedy(
+                    ["--reinit-draft-interval", str(every)], "rebuild the draft from the policy now and then"
+                )
+            )
+    return "the policy moved away from the draft", evidence, remedies
+
+
+@check("spec_slow", "speculative decoding costs more than the tokens it saves")
+def spec_slow(run: RunRecord, compare: RunRecord | None):
+    draft, verify = run.median("spec_draft_seconds"), run.median("spec_verify_seconds")
+    per_pass = run.median("spec_tokens_per_pass")
+    if draft is None or verify is None or per_pass is None or verify <= 0:
+        return None
+    estimate = per_pass / (1 + draft / verify)  # a verify pass costs about one plain decoding step
+    if estimate >= 1.0:
+        return None
+    evidence = [
+        Evidence("spec_tokens_per_pass", per_pass, note="median"),
+        Evidence(
+            "spec_draft_seconds",
+            draft,
+            note=f"median; verify {verify:.3g} s: estimated speedup {estimate:.2f}x",
+        ),
+    ]
+    remedies = []
+    k = run.setting("speculative.spec_lookahead", 5)
+    if k != 5:
+        remedies.append(
+            Remedy(["--spec-lookahead", "5"], "the usual balance of draft cost and accepted length")
+        )
+    if run.setting("speculative.draft_model") != "ngram":
+        remedies.append(Remedy(["--draft-model", "ngram"], "a draft that costs almost nothing to run"))
+    if not run.setting("speculative.profile_speculative"):
+        remedies.append(
+            Remedy(
+                ["--profile-speculative"], "a table per step: acceptance by position, costs, best lookahead"
+            )
+        )
+    return (
+        "the draft is too slow for what it predicts (aim at 1/10 to 1/4 of the policy's size)",
+        evidence,
+        remedies,
+    )
 
 
 # ---- against another run -----------------------------------------------------------------------

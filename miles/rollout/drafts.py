@@ -186,4 +186,9 @@ def speculator_for(spec_cfg, policy: Transformer, slots: int, max_len: int, draf
     else:
         model = draft if draft is not None else load_draft(spec_cfg, policy, policy.lm_head.weight.device)
         proposer = ModelDraft(copy.deepcopy(model), slots, max_len)
-    return Speculator(proposer, spec_cfg.spec_lookahead, spec_cfg.spec_max_batch_size)
+    return Speculator(
+        proposer,
+        spec_cfg.spec_lookahead,
+        spec_cfg.spec_max_batch_size,
+        getattr(spec_cfg, "spec_adaptive", False),
+    )

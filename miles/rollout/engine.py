@@ -357,13 +357,22 @@ class Engine:
 
     def _decode(self) -> list[Sample]:
         spec = self.speculator
-        if spec is not None:
-            if len(self._running) <= spec.max_batch:
-                room = min(self.max_seq_len - s.length for s in self._running.values())
-                if room >= 1:
-                    return self._decode_speculative(min(spec.k, room))
+        if spec is None:
+            return self._decode_plain()
+        batch, timer = len(self._running), Timer()
+        room = min(self.max_seq_len - s.length for s in self._running.values())
+        speculative = room >= 1 and spec.choose(batch)
+        before = sum(len(s.response) for s in self._running.values())
+        if speculative:
+            finished = self._decode_speculative(min(spec.k, room))
+        else:
             spec.stats.plain_steps += 1
-        return self._decode_plain()
+            finished = self._decode_plain()
+        after = sum(len(s.response) for s in self._running.values()) + sum(
+            s.response_length for s in finished
+        )
+        spec.record(batch, speculative, after - before, timer.lap())
+        return finished
 
     def _params(self, states: list[_Running]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         params = [s.request.params for s in states]

@@ -151,12 +151,47 @@ class Timer:
 
 class Speculator:
     """What an engine needs to decode speculatively: the draft, the lookahead k, the batch size above
-    which speculation is off (a verify pass over many rows costs more than the tokens it saves),
-    and the counts behind the spec_* metrics."""
+    which speculation is off, and the counts behind the spec_* metrics.
 
-    def __init__(self, draft, lookahead: int = 5, max_batch: int = 16) -> None:
+    `adaptive`: below that cap, the engine also measures tokens per second of speculative and of
+    plain steps, per batch-size bucket (1, 2, 3-4, 5-8, ...), and takes the faster; every
+    `explore`-th step of a bucket tries the other way again (the draft may have improved, or the
+    batch mix changed). Either way of decoding samples exactly from the policy, so the choice
+    changes speed only.
+    """
+
+    def __init__(
+        self, draft, lookahead: int = 5, max_batch: int = 16, adaptive: bool = False, explore: int = 16
+    ) -> None:
         self.draft, self.k, self.max_batch = draft, lookahead, max_batch
+        self.adaptive, self.explore = adaptive, explore
         self.stats = SpecStats(lookahead)
+        self.rates: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> tokens/s, averaged
+        self.turns: dict[int, int] = {}  # decisions made per bucket
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(batch - 1, 0).bit_length()
+
+    def choose(self, batch: int) -> bool:
+        """Whether this decoding step of `batch` running requests should speculate."""
+        if batch > self.max_batch:
+            return False
+        if not self.adaptive:
+            return True
+        b = self.bucket(batch)
+        turn = self.turns[b] = self.turns.get(b, 0) + 1
+        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
+        if spec is None or plain is None:  # measure both first
+            return spec is None
+        faster = spec >= plain
+        return faster if turn % self.explore else not faster
+
+    def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+        key = (self.bucket(batch), speculative)
+        rate = tokens / max(seconds, 1e-9)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def take_stats(self) -> SpecStats:
         """The counts since the last call."""

@@ -2,7 +2,7 @@
 
 Each step reads the engines' speculative-decoding counts (acceptance overall and by draft
 position, tokens per policy pass, draft and verify seconds); with --online-sft-interval N the
-draft trains on that step's rollouts every N steps and the engines get its (EMA) weights; with
+draft trains every N steps on the rollouts of those N steps, and the engines get its (EMA) weights; with
 --reinit-draft-interval M it is rebuilt from the current policy every M steps.
 """
 
@@ -21,6 +21,7 @@ class OnlineDraft:
     def __init__(self, spec_cfg, rollout, draft=None, rebuild: Callable | None = None) -> None:
         self.cfg, self.rollout = spec_cfg, rollout
         self.trainer = None
+        self.pending: list = []  # rollouts since the draft last trained
         if draft is not None and spec_cfg.online_sft_interval:
             self.trainer = DraftTrainer(draft, spec_cfg.draft_lr, spec_cfg.draft_ema_decay, rebuild)
 
@@ -35,8 +36,10 @@ class OnlineDraft:
             if cfg.reinit_draft_interval and (rollout_id + 1) % cfg.reinit_draft_interval == 0:
                 self.trainer.reinit()
                 changed = True
-            if samples and (rollout_id + 1) % cfg.online_sft_interval == 0:
-                metrics.update(self.trainer.train(samples))
+            self.pending += samples
+            if self.pending and (rollout_id + 1) % cfg.online_sft_interval == 0:
+                metrics.update(self.trainer.train(self.pending))  # every rollout since the last time
+                self.pending = []
                 changed = True
             if changed:
                 self.rollout.update_draft(
