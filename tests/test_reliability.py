@@ -95,10 +95,10 @@ def test_nan_weights_stop_the_run_after_the_skipped_steps(tmp_path, monkeypatch,
 
     real = loop.build_executor
 
-    def poisoned(cfg, policy, *rest):
+    def poisoned(cfg, policy, *rest, **kwargs):
         with torch.no_grad():
             policy.model.norm.weight.fill_(float("nan"))
-        return real(cfg, policy, *rest)
+        return real(cfg, policy, *rest, **kwargs)
 
     monkeypatch.setattr(loop, "build_executor", poisoned)
     args = small_run_args(tmp_path / "run", 6) + ["--max-consecutive-skipped-steps", "2", "--eval-size", "0"]
