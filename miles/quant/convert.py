@@ -185,9 +185,6 @@ def prepare_train_model(model: nn.Module, cfg) -> nn.Module:
     if precision.int4_qat:
         to_int4(model, precision.int4_group_size, _int4_skip(cfg), False, start_mode(cfg))
         return model
-    if low_precision(cfg) == "int4":  # --int4-rollout-only: the group size is still checked here
-        check_int4_group(model, precision.int4_group_size, _int4_skip(cfg))
-        return model
     spec = spec_for(precision)
     if spec is not None and not precision.fp8_rollout_only:
         to_fp8(model, spec, skip_patterns(precision.fp8_skip_layers), False, start_mode(cfg))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from collections import deque
 
 import torch
@@ -20,6 +21,8 @@ import torch.nn as nn
 from miles.errors import ConfigError
 from miles.models.transformer import Transformer
 from miles.rollout.speculative import sampling_probs
+
+log = logging.getLogger("miles")
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -150,8 +153,6 @@ class NgramDraft:
 
 def load_draft(spec_cfg, policy: Transformer, device) -> Transformer | None:
     """The draft model of --draft-model (None for ngram), on `device`, with the size rule checked."""
-    import logging
-
     from miles.models import registry
 
     if spec_cfg.draft_model == "ngram":
@@ -168,7 +169,7 @@ def load_draft(spec_cfg, policy: Transformer, device) -> Transformer | None:
     draft = draft.to(device).eval()
     ours, theirs = parameter_count(draft), parameter_count(policy)
     if ours * 4 > theirs:
-        logging.getLogger("miles").warning(
+        log.warning(
             "--draft-model %s: %d parameters against the policy's %d (%.0f%%); a draft pays off at 1/10 to 1/4 of the "
             "policy", spec_cfg.draft_model, ours, theirs, 100 * ours / theirs,
         )  # fmt: skip
@@ -190,5 +191,5 @@ def speculator_for(spec_cfg, policy: Transformer, slots: int, max_len: int, draf
         proposer,
         spec_cfg.spec_lookahead,
         spec_cfg.spec_max_batch_size,
-        getattr(spec_cfg, "spec_adaptive", False),
+        spec_cfg.spec_adaptive,
     )

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
-from miles.rollout.sampling import SamplingParams, sample_tokens
+from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
 from miles.rollout.weights import apply_named_tensors
 
@@ -408,8 +408,7 @@ class Engine:
         out = self._forward_slots(ids, positions)
         logits = out.logits[busy.to(self.device)]
         p = sampling_probs(logits, temperature, top_k, top_p).cpu()
-        t = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
-        logp = (logits / t[:, None, None]).log_softmax(-1).cpu()
+        logp = scale_by_temperature(logits, temperature)[0].log_softmax(-1).cpu()  # as plain decoding records
         q = q.cpu() if q is not None else None
         routed = (
             out.routed_experts[busy.to(self.device)].to(torch.int32).cpu().numpy() if self.is_moe else None
@@ -418,12 +417,7 @@ class Engine:
         spec.stats.passes += 1
         finished = []
         for b, (s, row) in enumerate(zip(states, proposed)):
-            if q is not None:
-                qb = q[b, : len(row)]
-            else:  # a certain proposal (n-gram): q is one-hot
-                qb = torch.zeros(len(row), p.shape[-1]).scatter_(
-                    -1, torch.tensor(row, dtype=torch.long)[:, None], 1.0
-                )
+            qb = None if q is None else q[b, : len(row)]  # None: certain proposals (n-gram)
             n, following = accept(row, qb, p[b, : len(row) + 1], s.generator)
             spec.stats.record(len(row), n)
             spec.draft.keep(s.slot, s.length + min(n, len(row) - 1))

@@ -57,6 +57,16 @@ def allowed_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def scale_by_temperature(
+    logits: torch.Tensor, temperature: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logits / temperature, which rows are greedy): greedy rows (temperature 0) are scaled by 1,
+    so their log-probs are log softmax(logits). logits (B, ..., V), temperature (B,)."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    return logits.float() / t.reshape(-1, *([1] * (logits.dim() - 1))), greedy
+
+
 def sample_tokens(
     logits: torch.Tensor,  # (B, V) fp32, raw
     temperature: torch.Tensor,  # (B,)
@@ -65,9 +75,7 @@ def sample_tokens(
     generators: list[torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature)."""
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits.float() / t[:, None]
+    scaled, greedy = scale_by_temperature(logits, temperature)
     logprobs_all = scaled.log_softmax(-1)
     if bool(greedy.all()):
         tokens = logits.argmax(-1)

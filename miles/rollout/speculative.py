@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.rollout.sampling import allowed_logits
+from miles.rollout.sampling import allowed_logits, scale_by_temperature
 
 
 def sampling_probs(
@@ -28,9 +28,8 @@ def sampling_probs(
     """The distribution a token is sampled from: softmax of the temperature-scaled logits over the
     top-k/top-p set; one-hot at the argmax for greedy rows. logits (B, T, V), params (B,)."""
     B, T, V = logits.shape
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    flat = (logits.float() / t[:, None, None]).reshape(B * T, V)
+    scaled, greedy = scale_by_temperature(logits, temperature)
+    flat = scaled.reshape(B * T, V)
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         flat = allowed_logits(flat, top_k.repeat_interleave(T), top_p.repeat_interleave(T))
     probs = flat.softmax(-1).reshape(B, T, V)
@@ -42,16 +41,22 @@ def sampling_probs(
 
 def accept(
     proposed: Sequence[int],
-    q: torch.Tensor,  # (k, V) the draft's distributions the proposals were drawn from
+    q: torch.Tensor | None,  # (k, V) the draft's distributions the proposals were drawn from; None: certain
     p: torch.Tensor,  # (k + 1, V) the policy's at the same positions, and one more
     generator: torch.Generator,
 ) -> tuple[int, int]:
-    """(how many proposals are accepted, the token that follows them) by exact speculative sampling."""
+    """(how many proposals are accepted, the token that follows them) by exact speculative sampling.
+    A certain proposal (q one-hot at x, as an n-gram draft makes) needs no q: max(0, p - q) is p
+    with x's mass removed."""
     for i, x in enumerate(proposed):
-        px, qx = float(p[i, x]), float(q[i, x])
+        px, qx = float(p[i, x]), 1.0 if q is None else float(q[i, x])
         if qx > 0 and float(torch.rand((), generator=generator)) * qx < px:
             continue
-        residual = (p[i] - q[i]).clamp(min=0)
+        if q is None:
+            residual = p[i].clone()
+            residual[x] = (p[i, x] - 1.0).clamp(min=0)
+        else:
+            residual = (p[i] - q[i]).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: draw from p
             residual = p[i]
         return i, int(torch.multinomial(residual, 1, generator=generator))
