@@ -114,7 +114,14 @@ def test_every_guide_flag_is_listed_in_help():
         ),
         (["--critic-lr", "1e-4"], "--critic-lr sets up the PPO critic; add --advantage-estimator ppo"),
         (["--advantage-estimator", "ppo", "--critic-warmup", "100"], "leaves no rollout of the 100"),
-        (["--offload-experts"], "--offload-experts is not available yet"),
+        (
+            ["--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size 2 must divide the 1 training ranks",
+        ),
+        (
+            ["--r3-buffer-size", "8"],
+            "--r3-buffer-size bounds the routing records kept for replay; add --use-r3",
+        ),
         (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
         (["--task", "basic_arithmetic", "--prompt-data", "x.jsonl"], "--task or --prompt-data, not both"),
         (["stray"], "unexpected argument 'stray'"),

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from miles.algo.masked import masked_mean, masked_sum
+from miles.models.routing import NO_RECORD, decode_experts
 
 Level = Literal["token", "sequence", "geometric"]
 Mode = Literal["truncate", "mask"]
@@ -102,14 +103,15 @@ def routing_mismatch(
     """How often the trainer's own top-k experts differ from those the rollout engine used.
 
     `router_logits`: per MoE layer (B, T, E); `recorded`: (B, T, layers, K) expert ids from the
-    rollout, -1 where none was recorded; `mask`: (B, T) positions to count. A decision is one
+    rollout (-(e + 2) for a slot dropped over capacity), -1 where none was recorded; `mask`: (B, T) positions to count. A decision is one
     (token, layer) top-k set (order ignored). Returns the fraction of decisions that differ and
     the fraction of tokens with at least one differing layer ("different experts
     activated during train vs inference"; R3 replays the recorded ones instead).
     """
     k = recorded.shape[-1]
     rec = recorded.to(router_logits[0].device)
-    valid = mask.bool() & (rec >= 0).all(-1).all(-1)
+    valid = mask.bool() & (rec != NO_RECORD).all(-1).all(-1)
+    rec = decode_experts(rec)  # a slot dropped over capacity still names the expert chosen
     if not valid.any():
         return {}
     differ = torch.stack(  # (B, T, L), one layer at a time: no (B, T, L, K) copy of the trainer's choice

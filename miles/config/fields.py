@@ -60,11 +60,4 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
-NOT_YET_FP8 = "FP8 training/rollout is not built yet (planned: miles.quant)"
-NOT_YET_EP = (
-    "expert parallelism is not built yet; to fit a large MoE, --data-parallel fsdp shards the experts (with "
-    "their gradients and optimizer state) over the training ranks, and --rollout-num-gpus-per-engine splits "
-    "every expert over an engine's GPUs"
-)
 NOT_YET_MA = "multi-agent co-evolution is not built yet"
-NOT_YET_MOE = "not built yet for miles' MoE layers"

@@ -376,6 +376,31 @@ def validate_speculative(cfg: RunConfig) -> None:
         )
 
 
+def validate_moe(cfg: RunConfig) -> None:
+    """Expert parallelism and offload need a layout that holds them; the R3 buffer needs R3. (The
+    expert count is checked against the model when it is loaded: `miles.train.expert_parallel`.)"""
+    train, algo = cfg.train, cfg.algo
+    ranks = cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node
+    ep = train.expert_model_parallel_size
+    if ep > 1 and ranks % ep:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} must divide the {ranks} training ranks "
+            f"(--actor-num-nodes x --actor-num-gpus-per-node); e.g. --actor-num-gpus-per-node {ep}"
+        )
+    if ep > 1 and train.data_parallel == "fsdp":
+        raise ConfigError(
+            "--expert-model-parallel-size with --data-parallel fsdp: FSDP already shards the experts; use one of them"
+        )
+    if train.offload_experts and train.data_parallel == "fsdp":
+        raise ConfigError(
+            "--offload-experts with --data-parallel fsdp: FSDP2 owns the parameters' placement; use ddp"
+        )
+    if algo.r3_buffer_size is not None and not algo.use_r3:
+        raise ConfigError(
+            "--r3-buffer-size bounds the routing records kept for replay; add --use-r3 or remove it"
+        )
+
+
 def validate(given: RunConfig) -> RunConfig:
     """Check every setting, before any work; return the resolved configuration (the global
     batch, a micro-batch capped at it, --use-tis implied by --tis-threshold, DEBUG implied by
@@ -440,6 +465,7 @@ def validate(given: RunConfig) -> RunConfig:
         raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
     validate_precision(cfg)
     validate_speculative(cfg)
+    validate_moe(cfg)
     if rollout.partial_rollout and cfg.sync.rollout_num_gpus_per_engine > 1:
         raise ConfigError(
             "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "

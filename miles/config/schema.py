@@ -10,9 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.config.fields import (
-    NOT_YET_EP,
     NOT_YET_MA,
-    NOT_YET_MOE,
     option,
 )
 
@@ -202,8 +200,9 @@ class AlgoSection:
     )
     r3_buffer_size: int | None = option(
         None,
-        "bound on stored routing records",
-        available="a routing-record buffer bound is not built yet; routing is kept per sample",
+        "with --use-r3: keep the routing records of at most N samples (oldest evicted first, stored as int8/int16); "
+        "training a sample whose record was evicted is an error naming the size that would fit (unset: one record "
+        "per sample in flight, no bound)",
         bounds="[1, inf)",
     )
     verify_logprobs: bool = option(
@@ -215,8 +214,9 @@ class AlgoSection:
     )
     deterministic_expert_routing: bool = option(
         False,
-        "deterministic top-k routing",
-        available="deterministic routing kernels are not built yet; use --use-r3",
+        "batch-invariant MoE routing and log-probs in trainer and engines: fixed-tile GEMMs, blocked attention and "
+        "ties broken by expert index, so a sequence routes (and scores) bitwise the same alone, in any batch and "
+        "under any padding (slower: see docs/moe.md)",
     )
 
 
@@ -266,17 +266,44 @@ class TrainSection:
     )
     seed: int = option(1234, "training seed (data order, init)", bounds="[0, inf)")
     aux_loss_coef: float = option(
-        0.0, "MoE load-balancing loss weight", aliases=("moe_aux_loss_coeff",), bounds="[0, inf)"
+        0.0,
+        "MoE load-balancing loss weight: coef * E * sum_i f_i * P_i per MoE layer, averaged over layers (Megatron's "
+        "form; Hugging Face's Qwen-MoE loss is top_k times it); 0.01 is a usual remedy for a collapsed router",
+        aliases=("moe_aux_loss_coeff",),
+        bounds="[0, inf)",
+    )
+    moe_aux_loss_type: str = option(
+        "micro_batch",
+        "where the load fractions f_i of the aux loss are counted: micro_batch (each forward's tokens, Megatron's "
+        "aux_loss) or global (summed over every micro-batch and rank of the optimizer step so far, Qwen's "
+        "global-batch balance)",
+        choices=("micro_batch", "global"),
     )
     moe_capacity_factor: float | None = option(
         None,
-        "expert capacity",
+        "expert capacity: each expert takes at most ceil(tokens * top_k / experts * F) slots per forward, the rest "
+        "are dropped (the residual carries the token); in trainer and engines alike, and replayed by --use-r3 "
+        "(unset: dropless)",
         aliases=("moe_expert_capacity_factor",),
-        available=NOT_YET_MOE,
         bounds="(0, inf)",
     )
-    expert_model_parallel_size: int = option(1, "expert parallelism", available=NOT_YET_EP, bounds="[1, inf)")
-    offload_experts: bool = option(False, "offload experts to CPU", available=NOT_YET_EP)
+    moe_token_drop_policy: str = option(
+        "probs",
+        "which slots an over-capacity expert keeps: probs (its highest router probabilities) or position (the "
+        "earliest tokens)",
+        choices=("probs", "position"),
+    )
+    expert_model_parallel_size: int = option(
+        1,
+        "expert parallelism: the MoE experts are split over N training ranks (tokens exchanged by all-to-all), "
+        "data parallelism over the ranks; needs N to divide the training ranks and the experts",
+        bounds="[1, inf)",
+    )
+    offload_experts: bool = option(
+        False,
+        "expert weights, gradients and optimizer state stay in host memory; each MoE layer's experts are brought "
+        "to the device for its forward and again for its backward (recomputed), one layer at a time",
+    )
 
 
 @dataclass

@@ -17,6 +17,17 @@ import torch.nn.functional as F
 from miles.models.config import ModelConfig
 from miles.models.kv_cache import KVCache, Rows
 from miles.models.linear import LinearFactory, default_linear
+from miles.models.routing import (
+    NO_RECORD,
+    RoutingOptions,
+    decode_experts,
+    dropped,
+    encode_dropped,
+    invariant_attention,
+    keep_within_capacity,
+    tiled_linear,
+    top_k,
+)
 
 
 @dataclass
@@ -90,6 +101,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = bool(cfg.qk_norm)
+        self.batch_invariant = False  # blocked attention, bitwise independent of batch and padding
 
     def forward(
         self,
@@ -114,7 +126,9 @@ class Attention(nn.Module):
             kv_cache, layer, rows, positions, length = cache
             kv_cache.write(layer, rows, positions, k, v)
             k, v = kv_cache.read(layer, rows, length)
-        if T == 1:  # decoding: plain matmuls beat the fused kernel at one query per row
+        if self.batch_invariant:
+            out = invariant_attention(q, k, v, mask)
+        elif T == 1:  # decoding: plain matmuls beat the fused kernel at one query per row
             out = decode_attention(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(
@@ -140,14 +154,18 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Softmax router, top-k experts, optional shared expert (Qwen2-MoE).
 
-    `forced` (N, K) replaces the router's own choice where it is >= 0 (routing replay). Gate
-    weights always come from this router's softmax, gathered at the experts used, so the router
-    keeps its gradient under replay.
+    `forced` (N, K) replaces the router's own choice where it is not -1 (routing replay; a
+    recorded drop, -(e + 2), is replayed as a drop). Gate weights always come from this router's
+    softmax, gathered at the experts used, so the router keeps its gradient under replay.
+    `routing` sets capacity and batch invariance (`miles.models.routing`); `expert_parallel`,
+    when set, runs the experts sharded over ranks (`miles.train.expert_parallel`); `expert_loader`
+    brings offloaded expert weights to the compute device (`miles.train.expert_offload`).
     """
 
     def __init__(self, cfg: ModelConfig, prefix: str, make_linear: LinearFactory) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.num_experts = cfg.num_experts
         self.gate = make_linear(f"{prefix}.gate", cfg.hidden_size, cfg.num_experts, False)
         self.experts = nn.ModuleList(
             MLP(cfg.hidden_size, cfg.moe_intermediate_size, f"{prefix}.experts.{e}", make_linear)
@@ -159,44 +177,83 @@ class MoE(nn.Module):
                 cfg.hidden_size, cfg.shared_expert_intermediate_size, f"{prefix}.shared_expert", make_linear
             )
             self.shared_expert_gate = make_linear(f"{prefix}.shared_expert_gate", cfg.hidden_size, 1, False)
+        self.routing = RoutingOptions()
+        self.expert_parallel = None
+        self.expert_loader = None
 
     def forward(
-        self, x: torch.Tensor, forced: torch.Tensor | None
+        self, x: torch.Tensor, forced: torch.Tensor | None, valid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, hidden) -> output (N, hidden), router logits (N, E), expert ids (N, K)."""
-        logits = self.gate(x)
+        """x (N, hidden), valid (N,) real tokens -> output (N, hidden), router logits (N, E), routing
+        record (N, K): expert ids, -(e + 2) for a slot dropped over capacity."""
+        opts = self.routing
+        logits = tiled_linear(x, self.gate.weight) if opts.deterministic else self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
-        ids = probs.topk(self.top_k, dim=-1).indices
+        ids = top_k(probs, self.top_k, opts.deterministic)
+        keep = None
+        if opts.capacity_factor is not None:
+            keep = keep_within_capacity(
+                ids, probs.gather(-1, ids), valid, self.num_experts, opts.capacity_factor, opts.drop_policy
+            )
         if forced is not None:
-            ids = torch.where(forced >= 0, forced.to(ids.dtype), ids)
+            replay = forced != NO_RECORD
+            ids = torch.where(replay, decode_experts(forced).to(ids.dtype), ids)
+            if keep is not None or dropped(forced).any():
+                keep = torch.where(
+                    replay, ~dropped(forced), torch.ones_like(replay) if keep is None else keep
+                )
         weights = probs.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = self._dispatch(x, ids, weights)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        expert, slot_weight = ids.reshape(-1), weights.reshape(-1)
+        if keep is not None:
+            kept = keep.reshape(-1)
+            token, expert, slot_weight = token[kept], expert[kept], slot_weight[kept]
+        if self.expert_parallel is not None:
+            out = self.expert_parallel.dispatch(self, x, token, expert, slot_weight)
+        else:
+            out = self._dispatch(x, token, expert, slot_weight)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out, logits, ids
+        record = ids if keep is None else torch.where(keep, ids, encode_dropped(ids))
+        return out, logits, record
 
-    def _dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Run each expert once on its tokens and sum the weighted outputs, shape (N, hidden).
+    def run_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `e` on its rows (through the offload loader when experts live in host memory)."""
+        if self.expert_loader is not None:
+            return self.expert_loader(self.experts[e], rows)
+        return self.experts[e](rows)
 
-        (token, slot) pairs are sorted by expert so each expert takes one contiguous slice, and
-        a single index_add scatters everything back. (Padding every expert to the busiest one
-        for a batched matmul was measured slower on CPU: compute-bound, ~2x padded rows.)
+    def run_experts(self, rows: torch.Tensor, counts: list[int], experts: list[int]) -> torch.Tensor:
+        """Each of `experts` on its slice of `rows` (sliced by `counts`), outputs concatenated.
+
+        Training runs every expert, also on 0 rows: unused ones get zero gradients, not None, so
+        data-parallel ranks reduce the same tensors (FSDP2 needs that)."""
+        chunks = rows.split(counts)
+        outputs = [self.run_expert(e, c) for e, c in zip(experts, chunks) if c.shape[0] or self.training]
+        if not outputs:
+            return rows.new_zeros(0, rows.shape[-1])
+        return torch.cat(outputs)
+
+    def _dispatch(
+        self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """Run each expert once on its slots (token ids `token`, experts `expert`) and sum the
+        weighted outputs, shape (N, hidden).
+
+        Slots are sorted by expert so each expert takes one contiguous slice, and a single
+        index_add scatters everything back. (Padding every expert to the busiest one for a batched
+        matmul was measured slower on CPU: compute-bound, ~2x padded rows.)
         """
-        K = ids.shape[-1]
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // K
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        order = expert.argsort(stable=True)
+        token = token[order]
+        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         # one gather, then views per expert: the backward is one index_add and one cat, not a
         # full-size zero tensor per expert as with x[token[slice]]
-        chunks = x.index_select(0, token).split(counts)
-        # training runs every expert, also on 0 rows: unused ones get zero gradients, not None, so
-        # data-parallel ranks reduce the same tensors (FSDP2 needs that)
-        outputs = [self.experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e] or self.training]
-        y = torch.cat(outputs) * weights.reshape(-1)[order, None]
+        y = self.run_experts(x.index_select(0, token), counts, list(range(self.num_experts)))
+        y = y * weight[order, None]
         return torch.zeros_like(x).index_add_(0, token, y)
 
 
@@ -272,6 +329,8 @@ class Transformer(nn.Module):
         logits_at: torch.Tensor | None = None,  # (B,) one position per row: logits (B, 1, V) only there
         prefix: Prefix | None = None,
         collect_kv: bool = False,
+        token_mask: torch.Tensor
+        | None = None,  # (B, T) real tokens for MoE capacity (default: attention_mask)
     ) -> ModelOutput:
         """Logits for every position.
 
@@ -304,6 +363,7 @@ class Transformer(nn.Module):
         rope = rope_cos_sin(positions, self.inv_freq)
 
         h = self.model.embed_tokens(input_ids)
+        valid = (token_mask if token_mask is not None else attention_mask).reshape(-1).bool()
         router_logits, routed = [], []
         kv: list | None = [] if collect_kv else None  # returned, not passed in: FSDP2 rebuilds arguments
         for i, layer in enumerate(self.model.layers):
@@ -321,7 +381,7 @@ class Transformer(nn.Module):
                 forced = None
                 if forced_experts is not None:
                     forced = forced_experts[:, :, len(routed)].reshape(B * T, -1)
-                y, logits, ids = layer.mlp(x.reshape(B * T, -1), forced)
+                y, logits, ids = layer.mlp(x.reshape(B * T, -1), forced, valid)
                 h = h + y.view(B, T, -1)
                 router_logits.append(logits.view(B, T, -1))
                 routed.append(ids.view(B, T, -1))

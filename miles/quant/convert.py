@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from miles.errors import ConfigError
+from miles.models.routing import apply_routing, routing_options
 from miles.quant.int4 import divisors
 from miles.quant.int4_linear import Int4Linear
 from miles.quant.linear import FP8Linear, FP8Spec, QuantizedLinear
@@ -155,6 +156,7 @@ def prepare_rollout_model(model: nn.Module, cfg) -> nn.Module:
     """The engine's model: FP8 codes (unified FP8, --fp8-rollout-only) or packed INT4 (--int4-qat,
     --int4-rollout-only) for its projections."""
     precision = cfg.precision
+    apply_routing(model, routing_options(cfg))
     if low_precision(cfg) == "int4":
         swapped = to_int4(
             model, precision.int4_group_size, _int4_skip(cfg), True, start_mode(cfg),
@@ -182,12 +184,12 @@ def prepare_train_model(model: nn.Module, cfg) -> nn.Module:
     """The trainer's model: FP8 forward GEMMs (unified FP8) or INT4 fake-quant weights (--int4-qat)
     over fp32 master weights."""
     precision = cfg.precision
+    spec = spec_for(precision)
     if precision.int4_qat:
         to_int4(model, precision.int4_group_size, _int4_skip(cfg), False, start_mode(cfg))
-        return model
-    spec = spec_for(precision)
-    if spec is not None and not precision.fp8_rollout_only:
+    elif spec is not None and not precision.fp8_rollout_only:
         to_fp8(model, spec, skip_patterns(precision.fp8_skip_layers), False, start_mode(cfg))
+    apply_routing(model, routing_options(cfg))  # after the swaps: only full-precision layers are tiled
     return model
 
 

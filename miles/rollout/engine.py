@@ -331,6 +331,7 @@ class Engine:
         positions = torch.arange(T).expand(len(unique), T)
         rows = torch.tensor([s.slot for s in owners])
         last = torch.tensor([len(x) - 1 for x in unique])
+        real = positions <= last[:, None]  # right padding takes no MoE capacity
         dev = self.device
         with torch.no_grad():
             out = self.model(
@@ -339,6 +340,7 @@ class Engine:
                 cache=self.cache,
                 cache_rows=rows.to(dev),
                 logits_at=last.to(dev),
+                token_mask=real.to(dev),
             )
         index = torch.tensor([unique[seq] for seq in seqs])
         copies = [

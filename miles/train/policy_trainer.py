@@ -29,6 +29,7 @@ from miles.models.transformer import Transformer
 from miles.quant.convert import fp8_metrics
 from miles.sync.transports import share
 from miles.train.batch import PackedBatch, forward_logprobs, pack_samples, recorded_routing
+from miles.train.moe_stats import LoadAccumulator, load_balancing_loss, router_entropy_sum, routing_counts
 
 log = logging.getLogger("miles")
 
@@ -48,23 +49,12 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
-def load_balancing_loss(
-    router_logits: list[torch.Tensor], routed: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Switch-style aux loss E * sum_e f_e * P_e per MoE layer, averaged over layers.
-
-    f_e: fraction of (token, slot) choices that went to expert e; P_e: mean router probability.
-    It is 1 for perfectly uniform routing and grows as load concentrates.
-    """
-    m = mask.bool()
-    losses = []
-    for layer, logits in enumerate(router_logits):
-        E = logits.shape[-1]
-        probs = logits.float().softmax(-1)[m]  # (N, E)
-        chosen = torch.nn.functional.one_hot(routed[:, :, layer][m], E).float().sum(1)  # (N, E)
-        f = chosen.mean(0) / chosen.sum(-1).mean()
-        losses.append(E * (f * probs.mean(0)).sum())
-    return torch.stack(losses).mean()
+def shares_prompts(cfg: RunConfig) -> bool:
+    """Whether training computes each group's prompt once. Not under expert capacity (the drops of
+    a forward depend on all its tokens) nor expert parallelism (every rank must run the same
+    number of forwards, whatever its batch's prompts)."""
+    train = cfg.train
+    return train.share_prompts and train.moe_capacity_factor is None and train.expert_model_parallel_size == 1
 
 
 # losses that add up over micro-batches and ranks (each part is already divided by the global
@@ -223,7 +213,7 @@ class PolicyTrainer:
         mb = self.cfg.train.micro_batch_size
         for i in range(0, len(samples), mb):
             chunk = samples[i : i + mb]
-            batch = pack_samples(chunk, self.cfg.algo.use_r3, self.cfg.train.share_prompts)
+            batch = pack_samples(chunk, self.cfg.algo.use_r3, shares_prompts(self.cfg))
             logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
             for b, s in enumerate(chunk):
                 out.append(logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone())
@@ -254,6 +244,7 @@ class PolicyTrainer:
             sums[name] += float(value) * weight
             weights[name] += weight
 
+        self.load = LoadAccumulator()  # MoE load over this call's micro-batches
         gbs, mbs = self.step_samples, self.micro_samples
         agg = cfg.algo.loss_agg_mode
         for start in range(0, len(samples), gbs):
@@ -262,6 +253,7 @@ class PolicyTrainer:
             (denominator,) = self._sum_over_ranks([loss_denominator([samples[i] for i in idx], agg)])
             denominator = max(denominator, 1.0)
             self.optimizer.zero_grad(set_to_none=True)
+            self.step_chosen = None  # --moe-aux-loss-type global: expert counts of the step so far
             finite = True
             step_losses: dict[str, float] = dict.fromkeys(ADDITIVE_METRICS, 0.0)
             for m0 in range(0, len(idx), mbs):
@@ -315,6 +307,8 @@ class PolicyTrainer:
             self.scheduler.step()
             record("skipped_step", 0)
         out = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+        if self.load.chosen is not None:  # the same layers and experts on every rank
+            out.update(self.load.metrics(self._sum_over_ranks(self.load.flat())))
         out["consecutive_skipped_steps"] = self.consecutive_skipped
         out.update(fp8_metrics(self.model))
         return out
@@ -325,7 +319,7 @@ class PolicyTrainer:
         """This micro-batch's share of the global batch's loss (its sums / `denominator`), and
         its metrics: the `ADDITIVE_METRICS` as shares, the rest as this micro-batch's means."""
         cfg, algo = self.cfg, self.cfg.algo
-        batch: PackedBatch = pack_samples(samples, algo.use_r3, cfg.train.share_prompts).to(self.device)
+        batch: PackedBatch = pack_samples(samples, algo.use_r3, shares_prompts(cfg)).to(self.device)
         logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
@@ -380,23 +374,36 @@ class PolicyTrainer:
             kl = aggregate(kl_estimate(logp, ref_t, algo.kl_loss_type), mask, agg, norm, denominator)
             loss = loss + algo.kl_loss_coef * kl
             parts["kl_loss"] = float(kl.detach())
-        if cfg.train.aux_loss_coef > 0 and out.router_logits:
-            # the load-balancing loss is a product of batch statistics, not a sum over tokens: it
-            # is computed per micro-batch (as Megatron does) and weighted by the micro-batch's share
-            aux = load_balancing_loss(out.router_logits, out.routed_experts, batch.attention_mask)
-            aux = aux * loss_denominator(samples, agg) / denominator
-            loss = loss + cfg.train.aux_loss_coef * aux
-            parts["aux_loss"] = float(aux.detach())
-        if out.router_logits and all(s.rollout_routed_experts is not None for s in samples):
-            recorded = batch.forced_experts  # R3 already packed it, unless the shared-prompt plan carries it
-            if recorded is None:
-                recorded = recorded_routing(samples, logp.shape[1])
-            parts.update(routing_mismatch(out.router_logits, recorded, batch.attention_mask))
         if out.routed_experts is not None:
-            load = torch.bincount(
-                out.routed_experts[batch.attention_mask.bool()].reshape(-1),
-                minlength=self.model.config.num_experts,
-            ).float()
-            parts["expert_load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
+            loss = loss + self._moe_terms(out, batch, samples, denominator, parts)
         parts["loss"] = float(loss.detach())
         return loss, parts
+
+    def _moe_terms(self, out, batch: PackedBatch, samples, denominator: float, parts: dict) -> torch.Tensor:
+        """The aux loss share of this micro-batch (0 when off); records load counts and the
+        train/rollout routing mismatch."""
+        cfg = self.cfg
+        mask = batch.attention_mask
+        chosen, kept = routing_counts(out.routed_experts, mask, self.model.config.num_experts)
+        self.load.add(chosen, kept, router_entropy_sum(out.router_logits, mask), float(mask.sum()))
+        aux_share = torch.zeros((), device=self.device)
+        if cfg.train.aux_loss_coef > 0:
+            counts = chosen
+            if (
+                cfg.train.moe_aux_loss_type == "global"
+            ):  # pooled over ranks and the step's micro-batches so far
+                counts = torch.tensor(self._sum_over_ranks(chosen.reshape(-1).tolist()), dtype=torch.float64)
+                counts = counts.view_as(chosen) + (0 if self.step_chosen is None else self.step_chosen)
+                self.step_chosen = counts
+            # a product of batch statistics, not a sum over tokens: computed per micro-batch (as
+            # Megatron does) and weighted by the micro-batch's share of the global batch
+            aux = load_balancing_loss(out.router_logits, mask, counts)
+            aux = aux * loss_denominator(samples, cfg.algo.loss_agg_mode) / denominator
+            aux_share = cfg.train.aux_loss_coef * aux
+            parts["aux_loss"] = float(aux.detach())
+        if all(s.rollout_routed_experts is not None for s in samples):
+            recorded = batch.forced_experts  # R3 already packed it, unless the shared-prompt plan carries it
+            if recorded is None:
+                recorded = recorded_routing(samples, mask.shape[1])
+            parts.update(routing_mismatch(out.router_logits, recorded, mask))
+        return aux_share
