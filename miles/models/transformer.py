@@ -222,9 +222,10 @@ class MoE(nn.Module):
 
     def run_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `e` on its rows (through the offload loader when experts live in host memory)."""
+        expert = self.experts[str(e)] if isinstance(self.experts, nn.ModuleDict) else self.experts[e]
         if self.expert_loader is not None:
-            return self.expert_loader(self.experts[e], rows)
-        return self.experts[e](rows)
+            return self.expert_loader(expert, rows)
+        return expert(rows)
 
     def run_experts(self, rows: torch.Tensor, counts: list[int], experts: list[int]) -> torch.Tensor:
         """Each of `experts` on its slice of `rows` (sliced by `counts`), outputs concatenated.

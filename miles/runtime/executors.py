@@ -50,6 +50,10 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         sync_cfg.rollout_num_gpus or 1,
     )
     check_at_start(policy, cfg)
+    if cfg.train.expert_model_parallel_size > 1:
+        from miles.train.expert_parallel import check_experts
+
+        check_experts(policy, cfg.train.expert_model_parallel_size)  # before any rank starts
     if on_ray(cfg):
         return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device

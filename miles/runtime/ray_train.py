@@ -99,12 +99,25 @@ class TrainerActor(GroupSender):
 
         prepare_train_model(policy, cfg)  # unified FP8: FP8 forward GEMMs over fp32 master weights
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
+        self.ep = None  # --expert-model-parallel-size: this rank's share of the experts
+        if cfg.train.expert_model_parallel_size > 1:
+            from miles.train import expert_parallel
+
+            self.ep = expert_parallel.setup(policy, rank, world, cfg.train.expert_model_parallel_size)
         self._handles: bytes | None = None  # --use-zero-copy-sync: see share_handles
         if self.fsdp:
             ref = copy.deepcopy(policy) if needs_reference(cfg) else None  # whole, before sharding
             shard_fsdp(policy, device)
             self.actor = PolicyTrainer(policy, cfg, ref_model=ref, world=world)
             self.actor.grad_sync = lambda finite: all_reduce_finite(finite, device)  # FSDP2 reduced the grads
+        elif self.ep is not None:
+            from miles.train import expert_parallel
+
+            self.actor = PolicyTrainer(policy, cfg, world=world)
+            self.actor.grad_sync = lambda finite: expert_parallel.all_reduce_gradients(
+                policy, self.ep, finite
+            )
+            self.actor.clip_grads = lambda max_norm: expert_parallel.clip_grad_norm(policy, self.ep, max_norm)
         else:
             self.actor = PolicyTrainer(policy, cfg, world=world)
             self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
@@ -114,7 +127,12 @@ class TrainerActor(GroupSender):
         return self.actor.train(samples, advantages)
 
     def _model_state(self) -> dict[str, torch.Tensor]:
-        """Whole weights (FSDP: gathered, a collective every rank must join; only rank 0 gets them)."""
+        """Whole weights (FSDP, expert parallelism: gathered, a collective every rank must join;
+        only rank 0 gets them, the others an empty dict)."""
+        if self.ep is not None:
+            from miles.train.expert_parallel import gather_state
+
+            return gather_state(self.actor.model, self.ep) or {}
         if not self.fsdp:
             return self.actor.model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -206,6 +224,10 @@ class TrainerActor(GroupSender):
 
     def actor_state(self) -> dict:
         state = self.actor.state_dict()
+        if self.ep is not None:  # each expert-parallel rank's optimizer state (a collective)
+            from miles.train.expert_parallel import gather_optimizer
+
+            state["optimizer"] = gather_optimizer(self.actor.optimizer, self.ep)
         if self.fsdp:  # the whole optimizer state, by parameter name (a collective)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -217,6 +239,12 @@ class TrainerActor(GroupSender):
         return state
 
     def load(self, model_state: dict[str, torch.Tensor], actor_state: dict) -> None:
+        if self.ep is not None:
+            from miles.train.expert_parallel import own_slice
+
+            self.actor.model.load_state_dict(own_slice(model_state, self.actor.model))
+            self.actor.load_state_dict({**actor_state, "optimizer": actor_state["optimizer"][self.ep.rank]})
+            return
         if not self.fsdp:
             self.actor.model.load_state_dict(model_state)
             self.actor.load_state_dict(actor_state)
@@ -266,7 +294,8 @@ class RayTrainer:
         ]
         self.policy, self.world = policy, world
         self._policy_stale = False
-        self._collective = cfg.train.data_parallel == "fsdp"  # whole-state reads need every rank
+        # whole-state reads need every rank (FSDP shards, expert parallelism splits the experts)
+        self._collective = cfg.train.data_parallel == "fsdp" or cfg.train.expert_model_parallel_size > 1
         self._submit_lock = threading.Lock()
 
     def _submit(self, make_calls):

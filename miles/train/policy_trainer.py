@@ -101,6 +101,8 @@ class PolicyTrainer:
         self.grad_sync = None
         # set by a data-parallel runner: sums a float64 tensor over ranks (global counts and losses)
         self.all_sum = None
+        # set by an expert-parallel runner: clips by the whole model's gradient norm, returns it
+        self.clip_grads = None
         self.world = world  # data-parallel ranks, whose averaged gradients the loss scale undoes
         # this rank's share of each optimizer step, and of each forward/backward
         self.step_samples = cfg.train.global_batch_size // world
@@ -282,9 +284,11 @@ class PolicyTrainer:
             present = [k for k in ADDITIVE_METRICS if k in parts]  # the same keys on every rank
             for k, v in zip(present, self._sum_over_ranks([step_losses[k] for k in present])):
                 record(k, v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
-            )
+            max_norm = cfg.train.clip_grad if cfg.train.clip_grad > 0 else float("inf")
+            if self.clip_grads is not None:  # expert parallelism: the norm spans every rank's experts
+                grad_norm = self.clip_grads(max_norm)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
                 grad_norm = grad_norm.full_tensor()
             if not finite or not torch.isfinite(grad_norm):
