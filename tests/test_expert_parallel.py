@@ -106,3 +106,26 @@ def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cl
         # a rank holds the dense part and half of the experts (most of this model's bytes)
         assert b["mem_train_weights_gb"] < 0.7 * b["mem_rollout_weights_float32_gb"]
     assert trained
+
+
+def test_offloaded_experts_give_identical_numerics_and_bounded_residency():
+    """--offload-experts: the same loss and gradients as experts in place (bitwise), and never more
+    than one expert's weights resident on the compute device, none after the step."""
+    from miles.train.expert_offload import expert_parameters, offload_experts
+
+    full = random_model("qwen2_moe", num_hidden_layers=3).train()
+    ref = copy.deepcopy(full)
+    loss_ref = loss_of(ref, 0)
+    loss_ref.backward()
+    loader = offload_experts(full)
+    loss = loss_of(full, 0)
+    loss.backward()
+    assert torch.equal(loss, loss_ref)
+    grads = dict(ref.named_parameters())
+    for name, p in full.named_parameters():
+        assert torch.equal(p.grad, grads[name].grad), name
+    one_expert = sum(
+        p.numel() * 4 for n, p in expert_parameters(full) if ".experts.0." in n and "layers.0." in n
+    )
+    assert 0 < loader.peak <= one_expert
+    assert loader.resident == 0

@@ -208,3 +208,57 @@ def test_load_metrics_by_hand():
     assert m["expert_dropped_frac"] == pytest.approx(2 / 18)
     assert m["router_entropy"] == pytest.approx(2.0 / 16)
     assert m["expert_share_e0"] == pytest.approx(0.5)
+
+
+def test_r3_buffer_is_bounded_compact_and_names_the_size_that_fits():
+    import numpy as np
+
+    from miles.data.sample import Sample
+    from miles.errors import MilesError
+    from miles.rollout.routing_buffer import RoutingBuffer
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(10):
+        s = Sample(tokens=list(range(6 + i)), response_length=3)
+        record = rng.integers(-9, 8, size=(5 + i, 2, 2)).astype(np.int32)  # drops down to -(7 + 2)
+        s.rollout_routed_experts = record
+        samples.append((s, record.copy()))
+    buf = RoutingBuffer(capacity=4, n_experts=8)
+    buf.store(s for s, _ in samples)
+    assert len(buf.records) == 4 and buf.evicted == 6
+    assert all(r.dtype == np.int8 for r in buf.records.values())
+    assert buf.nbytes == sum(r.nbytes // 4 for _, r in samples[6:])  # 1 byte per slot instead of 4
+    assert all(s.rollout_routed_experts is None for s, _ in samples)
+    buf.take([s for s, _ in samples[6:]], in_flight=10)
+    for s, r in samples[6:]:
+        assert np.array_equal(s.rollout_routed_experts.astype(np.int32), r)
+    assert not buf.records
+    with pytest.raises(MilesError, match="evicted before it was trained.*--r3-buffer-size 10 or more"):
+        buf.take([samples[0][0]], in_flight=10)
+
+
+def test_r3_buffer_in_miles_train(tmp_path):
+    """A run with --use-r3 --r3-buffer-size reports the records' memory and replays them (no
+    routing mismatch in the used experts: the log-prob gap stays at float rounding); a buffer
+    smaller than one rollout stops the run with the size that fits."""
+    from miles.config import load_config
+    from miles.errors import MilesError
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+    from tests.conftest import small_run_args
+
+    args = small_run_args(tmp_path / "ok", 1) + ["--use-r3", "--r3-buffer-size", "16", "--eval-interval", "0"]
+    train(load_config(args))
+    (step,) = [r for r in read_metrics(tmp_path / "ok") if r["rollout"] == 0]
+    assert step["r3_buffer_evicted"] == 0 and 0 < step["r3_buffer_peak_mb"] < 0.01
+    assert step["train_rollout_logprob_abs_diff"] < 1e-4
+    small = small_run_args(tmp_path / "small", 1) + [
+        "--use-r3",
+        "--r3-buffer-size",
+        "8",
+        "--eval-interval",
+        "0",
+    ]
+    with pytest.raises(MilesError, match="--r3-buffer-size 16 or more"):
+        train(load_config(small))

@@ -395,6 +395,11 @@ def validate_moe(cfg: RunConfig) -> None:
         raise ConfigError(
             "--offload-experts with --data-parallel fsdp: FSDP2 owns the parameters' placement; use ddp"
         )
+    if train.offload_experts and ranks > 1 and (ep > 1 or cfg.model.device.startswith("cuda")):
+        raise ConfigError(
+            "--offload-experts runs with one training rank on a GPU (or with data parallelism on CPU), not with "
+            "expert parallelism: expert gradients in host memory are not reduced over NCCL yet"
+        )
     if algo.r3_buffer_size is not None and not algo.use_r3:
         raise ConfigError(
             "--r3-buffer-size bounds the routing records kept for replay; add --use-r3 or remove it"

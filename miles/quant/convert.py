@@ -190,6 +190,10 @@ def prepare_train_model(model: nn.Module, cfg) -> nn.Module:
     elif spec is not None and not precision.fp8_rollout_only:
         to_fp8(model, spec, skip_patterns(precision.fp8_skip_layers), False, start_mode(cfg))
     apply_routing(model, routing_options(cfg))  # after the swaps: only full-precision layers are tiled
+    if cfg.train.offload_experts:
+        from miles.train.expert_offload import offload_experts
+
+        offload_experts(model)
     return model
 
 

@@ -247,6 +247,11 @@ class RolloutFeed:
         )
         self.ahead = None  # with --async-weight-sync: the next rollout, already running
         self.partial = PartialRollout(cfg) if cfg.rollout.partial_rollout else None
+        self.routing = None  # --r3-buffer-size: routing records wait here, bounded and compact
+        if cfg.algo.r3_buffer_size is not None:
+            from miles.rollout.routing_buffer import RoutingBuffer
+
+            self.routing = RoutingBuffer(cfg.algo.r3_buffer_size, run.policy.config.num_experts or 0)
 
     def _collect(self, rollout_id: int):
         # prompts are taken when the rollout starts, in order, so checkpoints know the position
@@ -263,6 +268,8 @@ class RolloutFeed:
             )
         if debug.save_debug_rollout_data:
             save_rollout(debug.save_debug_rollout_data, rollout_id, groups, step)
+        if self.routing is not None:
+            self.routing.store(s for g in groups for s in g)
         return groups, step
 
     def next(self, rollout_id: int) -> tuple[list, dict]:
@@ -280,11 +287,21 @@ class RolloutFeed:
             run.trainer.onload()
         else:
             groups, step = self._collect(rollout_id)
+        if self.routing is not None:  # this step's records leave the buffer for training
+            self.routing.take((s for g in groups for s in g), in_flight=self.in_flight)
+            step.update(self.routing.metrics())
         if run.trainer.world > 1:
             groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, run.trainer.world)
         step["train_samples"] = sum(len(g) for g in groups)
         step["engine_restarts"] = run.rollout.restarts
         return groups, step
+
+    @property
+    def in_flight(self) -> int:
+        """Samples whose records may wait at once: one rollout's, two with a rollout running ahead."""
+        rollout = self.cfg.rollout
+        per_rollout = self.draw * rollout.n_samples_per_prompt
+        return per_rollout * (2 if self.pool is not None else 1)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out accuracy; with a rollout running ahead, after it, on its thread (the engine
