@@ -262,3 +262,29 @@ def test_r3_buffer_in_miles_train(tmp_path):
     ]
     with pytest.raises(MilesError, match="--r3-buffer-size 16 or more"):
         train(load_config(small))
+
+
+@pytest.mark.parametrize("kind", ["micro_batch", "global"])
+def test_trainer_aux_loss_counts_per_micro_batch_or_pooled_over_the_step(kind):
+    """The logged aux loss of a step with two micro-batches equals the formula by hand: f from each
+    micro-batch's own counts, or (global) from the counts of the step so far."""
+    from miles.train.batch import pack_samples
+    from miles.train.policy_trainer import PolicyTrainer, loss_denominator
+    from tests.test_grad_accumulation import N_SAMPLES, config, make_samples
+
+    samples, advantages = make_samples()
+    model = random_model("qwen3_moe").train()
+    cfg = config("token-mean", N_SAMPLES // 2, aux_loss_coef=0.01, moe_aux_loss_type=kind)
+    expected, pooled = 0.0, None
+    denominator = loss_denominator(samples, "token-mean")
+    with torch.no_grad():
+        for half in (samples[: N_SAMPLES // 2], samples[N_SAMPLES // 2 :]):
+            batch = pack_samples(half)
+            out = model(batch.input_ids, attention_mask=batch.attention_mask)
+            chosen, _ = routing_counts(out.routed_experts, batch.attention_mask, 4)
+            pooled = chosen if pooled is None else pooled + chosen
+            counts = pooled if kind == "global" else chosen
+            aux = load_balancing_loss(out.router_logits, batch.attention_mask, counts)
+            expected += float(aux) * loss_denominator(half, "token-mean") / denominator
+    metrics = PolicyTrainer(model, cfg).train(samples, advantages)
+    assert metrics["aux_loss"] == pytest.approx(expected, rel=1e-5)
