@@ -64,6 +64,22 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
+def tiled_apply(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn over the rows of x, TILE_ROWS at a time, the last tile zero-padded.
+
+    Not only GEMMs depend on their batch: a CPU elementwise kernel (silu, sigmoid, mul) splits a
+    long tensor over threads and finishes each part's odd end with a scalar tail, so the same
+    value can round differently at another position. Full tiles give every call one length."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    n = rows.shape[0]
+    pad = (-n) % TILE_ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = torch.cat([fn(tile) for tile in rows.split(TILE_ROWS)])[:n]
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
 def top_k(probs: torch.Tensor, k: int, deterministic: bool) -> torch.Tensor:
     """Expert ids (N, k), highest probability first; with `deterministic` ties go to the lower index."""
     if deterministic:

@@ -25,6 +25,7 @@ from miles.models.routing import (
     encode_dropped,
     invariant_attention,
     keep_within_capacity,
+    tiled_apply,
     tiled_linear,
     top_k,
 )
@@ -146,8 +147,14 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(f"{prefix}.gate_proj", hidden, inner, False)
         self.up_proj = make_linear(f"{prefix}.up_proj", hidden, inner, False)
         self.down_proj = make_linear(f"{prefix}.down_proj", inner, hidden, False)
+        self.batch_invariant = False  # on fixed row tiles (`tiled_apply`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return tiled_apply(self._swiglu, x)
+        return self._swiglu(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -216,9 +223,12 @@ class MoE(nn.Module):
         else:
             out = self._dispatch(x, token, expert, slot_weight)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + (tiled_apply(self._shared, x) if opts.deterministic else self._shared(x))
         record = ids if keep is None else torch.where(keep, ids, encode_dropped(ids))
         return out, logits, record
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def run_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `e` on its rows (through the offload loader when experts live in host memory)."""
