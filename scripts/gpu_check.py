@@ -11,7 +11,10 @@
    --colocate (trainer state moved to CPU during each rollout, KV cache freed during training);
 4. with 2-4 GPUs (as many as each layout needs): Ray training ranks over NCCL (colocated, with
    CUDA IPC zero-copy; disaggregated DDP-style and FSDP2), a 2-way tensor-parallel engine, and
-   weights broadcast over the weight-update group (NCCL; auto for disaggregated GPUs).
+   weights broadcast over the weight-update group (NCCL; auto for disaggregated GPUs), expert
+   parallelism over NCCL ranks;
+5. MoE: --offload-experts (same gradients, experts off the device, peak memory printed),
+   deterministic routing and expert capacity in the default job.
 Prints one line per check and exits non-zero on the first failure.
 """
 
@@ -250,6 +253,46 @@ def speculative_on_cuda() -> None:
     check("speculative decoding on cuda: greedy tokens = plain", fast == plain, f"{len(prompts)} requests")
 
 
+def expert_offload_on_cuda() -> None:
+    """--offload-experts on a GPU: a training step's gradients equal the resident model's, and the
+    peak CUDA memory falls by about the experts' weights (64 experts of a 4-layer random MoE)."""
+    import torch.nn.functional as F
+
+    from miles.models import ModelConfig, Transformer
+    from miles.train.expert_offload import offload_experts
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                      num_experts=64, num_experts_per_tok=4, moe_intermediate_size=512)  # fmt: skip
+    base = Transformer(cfg).init_weights(seed=0)
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step(model):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        logits = model(ids).logits
+        F.cross_entropy(logits[:, :-1].reshape(-1, 512), ids[:, 1:].reshape(-1)).backward()
+        peak = torch.cuda.max_memory_allocated() - start
+        return {n: p.grad.detach().cpu() for n, p in model.named_parameters()}, peak, start
+
+    resident = copy.deepcopy(base).cuda().train()
+    want, peak_resident, held_resident = step(resident)
+    del resident
+    offloaded = copy.deepcopy(base).cuda().train()
+    loader = offload_experts(offloaded)
+    got, peak_offload, held_offload = step(offloaded)
+    diff = max(float((got[n] - want[n]).abs().max()) for n in want)
+    expert_mb = sum(p.numel() * 4 for n, p in base.named_parameters() if ".experts." in n) / 2**20
+    check(
+        "expert offload on cuda: same gradients, experts off the device",
+        diff < 1e-5 and held_offload < held_resident and loader.peak <= expert_mb * 2**20 / (4 * 64) * 1.01,
+        f"max grad diff {diff:.1e}; held {held_resident / 2**20:.0f} -> {held_offload / 2**20:.0f} MiB "
+        f"(experts {expert_mb:.0f} MiB), step peak {peak_resident / 2**20:.0f} -> {peak_offload / 2**20:.0f} MiB, "
+        f"expert bytes resident at most {loader.peak / 2**20:.2f} MiB",
+    )
+
+
 def main() -> None:
     check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
     engine_cuda_vs_cpu("tiny")
@@ -274,6 +317,12 @@ def main() -> None:
         ["--draft-model", "auto", "--online-sft-interval", "5"], "default job, speculative rollout"
     )
     default_job_on_cuda(["--int4-qat"], "default job, --device cuda, INT4 QAT", check_weights=False)
+    expert_offload_on_cuda()
+    default_job_on_cuda(["--offload-experts"], "default job, --device cuda, --offload-experts")
+    default_job_on_cuda(
+        ["--deterministic-expert-routing"], "default job, --device cuda, deterministic routing"
+    )
+    default_job_on_cuda(["--moe-capacity-factor", "1.25"], "default job, --device cuda, capacity 1.25")
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)
         (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate"], "Ray 2 ranks (NCCL) colocated"),
@@ -286,6 +335,8 @@ def main() -> None:
          "Ray 2 FSDP2 ranks + 2 engines (NCCL)"),
         (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--sync-transport", "object-store"],
          "Ray 2 ranks + 2 engines, object-store sync"),
+        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--expert-model-parallel-size", "2"],
+         "Ray 2 ranks, expert parallelism 2 (NCCL all-to-all)"),
     ]  # fmt: skip
     for need, flags, name in ray_runs:
         if gpus >= need:

@@ -193,7 +193,17 @@ def test_collapsed_router_is_an_expert_imbalance(runs):
     names, findings = symptoms(bad)
     assert names == {"expert_imbalance"}
     assert ["--aux-loss-coef", "0.01"] in remedy_flags(findings)
+    assert ["--moe-capacity-factor", "1.25"] in remedy_flags(findings)
     assert_remedies_accepted(bad, findings)
+    assert load_run(bad).median("expert_load_max_over_balanced") > 2.5
+    # capacity bounds the busiest expert near 1.25x the balanced share, by dropping the slots over it
+    capped = run_job(runs, "collapsed-capped", "--model", model, "--moe-capacity-factor", "1.25", steps=2)
+    # (the ceil of each forward adds slack: the engine replayed by R3 decodes a few rows per step)
+    assert load_run(capped).median("expert_load_max_over_balanced") < 1.4
+    names, findings = symptoms(capped)
+    assert "expert_drops" in names
+    assert ["--moe-capacity-factor", "2.5"] in remedy_flags(findings)
+    assert_remedies_accepted(capped, findings)
 
 
 def test_doctor_errors_name_the_problem(tmp_path, capsys):

@@ -119,6 +119,10 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
         "time.png",
         "lengths.png",
         "memory.png",
+        "expert_load.png",
+        "expert_usage.png",
+        "router.png",
+        "expert_share.png",
     } <= set(pngs)
     assert all((tmp_path / "tb" / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
     capsys.readouterr()

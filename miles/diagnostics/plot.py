@@ -39,7 +39,25 @@ PANELS = [
     ),  # GB held for the policy: a training rank's weights/grads/optimizer, an engine's weights by dtype
     ("critic", ["value_loss", "explained_variance"]),  # PPO
     ("speculative", ["spec_accept_rate", "spec_tokens_per_pass", "draft_sft_loss"]),  # --draft-model
+    # MoE: a collapsed router shows as a high max/mean load, idle experts and a falling entropy
+    ("expert_load", ["expert_load_max_over_mean", "expert_layer_load_max_over_mean"]),
+    ("expert_usage", ["expert_idle_frac", "expert_dropped_frac"]),
+    ("router", ["router_entropy", "aux_loss"]),
+    ("expert_share", ["expert_share_e*"]),  # each expert's share of the kept slots
+    ("r3_buffer", ["r3_buffer_peak_mb"]),  # --r3-buffer-size
 ]
+
+
+def panel_keys(keys: list[str], records: list[dict]) -> list[str]:
+    """The panel's metric names, a trailing * standing for every logged name with that prefix."""
+    out: list[str] = []
+    for key in keys:
+        if key.endswith("*"):
+            names = {k for r in records for k in r if k.startswith(key[:-1])}
+            out += sorted(names, key=lambda k: (len(k), k))
+        else:
+            out.append(key)
+    return out
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -57,7 +75,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     written = []
     for name, keys in PANELS:
         series = {
-            k: [(r["rollout"], r[k]) for r in records if isinstance(r.get(k), (int, float))] for k in keys
+            k: [(r["rollout"], r[k]) for r in records if isinstance(r.get(k), (int, float))]
+            for k in panel_keys(keys, records)
         }
         series = {k: v for k, v in series.items() if v}
         if not series:

@@ -26,6 +26,7 @@ THRESHOLDS = {
     "tis_clipfrac": 0.05,  # median fraction of tokens TIS truncates or masks
     "routing_mismatch": 0.005,  # median fraction of MoE top-k decisions that differ train vs rollout
     "expert_load": 3.0,  # median max/mean tokens per expert (top-k of E caps it at E/k)
+    "expert_dropped": 0.1,  # median share of routed slots dropped over expert capacity
     "sync_share": 0.25,  # median weight-sync seconds / step seconds
     "memory_growth_gb": 0.2,  # per-step peak memory growth over the run, in GB ...
     "memory_growth_frac": 0.1,  # ... and as a fraction of where it started
@@ -433,7 +434,27 @@ def routing_mismatch(run: RunRecord, compare: RunRecord | None):
         evidence.append(
             Evidence("routing_mismatch_token_frac", tokens, note="tokens with any layer routed differently")
         )
-    remedies = [Remedy(["--use-r3"], "Rollout Routing Replay: training uses the experts the engine chose")]
+    in_flight = (
+        2 * run.setting("rollout.rollout_batch_size", 32) * run.setting("rollout.n_samples_per_prompt", 8)
+    )
+    remedies = [
+        Remedy(["--use-r3"], "Rollout Routing Replay: training uses the experts the engine chose"),
+        Remedy(
+            ["--use-r3", "--r3-buffer-size", str(max(1000, in_flight))],
+            "the same, with the routing records' memory bounded (two steps of samples fit)",
+        ),
+    ]
+    low_precision_engine = run.setting("precision.fp8_rollout_only") or run.setting(
+        "precision.int4_rollout_only"
+    )
+    if not low_precision_engine and not run.setting("algo.deterministic_expert_routing"):
+        remedies.append(
+            Remedy(
+                ["--deterministic-expert-routing"],
+                "batch-invariant kernels in trainer and engine: the flips from batch size and padding go "
+                "(not those of a lower-precision engine), at 2.5-3.5x the step time",
+            )
+        )
     return "near-tied router scores flip under small numeric differences", evidence, remedies
 
 
@@ -453,8 +474,45 @@ def expert_imbalance(run: RunRecord, compare: RunRecord | None):
     remedies = [
         Remedy(["--aux-loss-coef", f"{new:g}"], "the load-balancing loss pushes tokens to idle experts")
     ]
+    if run.setting("train.moe_capacity_factor") is None:
+        remedies.append(
+            Remedy(
+                ["--moe-capacity-factor", "1.25"],
+                "bounds the busiest expert's slots near 1.25x the balanced share (memory and time per "
+                "step); the slots over it are dropped, it does not teach the router",
+            )
+        )
     return (
         "the router collapsed onto a few experts; the others get no tokens and no gradient",
+        evidence,
+        remedies,
+    )
+
+
+@check(
+    "expert_drops", f"MoE: expert capacity drops more than {THRESHOLDS['expert_dropped']:.0%} of routed slots"
+)
+def expert_drops(run: RunRecord, compare: RunRecord | None):
+    frac = run.median("expert_dropped_frac")
+    if frac is None or frac <= THRESHOLDS["expert_dropped"]:
+        return None
+    evidence = [
+        Evidence("expert_dropped_frac", frac, None, THRESHOLDS["expert_dropped"], note="median over steps")
+    ]
+    bound = run.median("expert_load_max_over_balanced")
+    if bound is not None:
+        evidence.append(Evidence("expert_load_max_over_balanced", bound, note="the bound capacity holds"))
+    factor = run.setting("train.moe_capacity_factor") or 1.0
+    coef = run.setting("train.aux_loss_coef", 0.0)
+    remedies = [
+        Remedy(
+            ["--aux-loss-coef", f"{0.01 if not coef else coef * 10:g}"],
+            "spread the tokens, so fewer exceed an expert's capacity",
+        ),
+        Remedy(["--moe-capacity-factor", f"{factor * 2:g}"], "room for twice the balanced share per expert"),
+    ]
+    return (
+        "the router sends more tokens to a few experts than their capacity holds; dropped slots skip the expert",
         evidence,
         remedies,
     )

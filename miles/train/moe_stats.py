@@ -9,8 +9,9 @@ pools the layers' tokens before the product.
 
 The load metrics are what a user watches for a collapsed router: the busiest expert's load over
 the mean load (pooled over layers by expert index, and per layer: a layer's own imbalance can hide
-in the pool when layers favour different experts), the share of experts that got no token, the router's entropy and the share of
-slots dropped over capacity.
+in the pool when layers favour different experts), the busiest expert's slots over the balanced
+share (what a capacity factor bounds), the share of experts that got no token, the router's
+entropy and the share of slots dropped over capacity.
 """
 
 from __future__ import annotations
@@ -106,10 +107,14 @@ def load_metrics(
     """Load metrics from (L, E) slot counts and per-layer entropy sums over `tokens` tokens."""
     L, E = kept.shape
     ratio = kept.max(-1).values / kept.mean(-1).clamp(min=1e-9)  # (L,)
+    # the busiest expert's kept slots over the balanced share (every chosen slot spread evenly):
+    # capacity factor F bounds this near F, whatever the router prefers
+    balanced = kept.max(-1).values / (chosen.sum(-1) / E).clamp(min=1e-9)
     pooled = kept.sum(0)  # expert index e summed over layers
     out = {
         "expert_load_max_over_mean": float(pooled.max() / pooled.mean().clamp(min=1e-9)),
         "expert_layer_load_max_over_mean": float(ratio.mean()),
+        "expert_load_max_over_balanced": float(balanced.mean()),
         "expert_idle_frac": float((kept == 0).double().mean()),
         "router_entropy": float(entropy.sum() / max(tokens * L, 1.0)),
         "expert_dropped_frac": float(1 - kept.sum() / chosen.sum().clamp(min=1)),

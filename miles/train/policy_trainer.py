@@ -52,9 +52,16 @@ def lr_lambda(cfg: RunConfig):
 def shares_prompts(cfg: RunConfig) -> bool:
     """Whether training computes each group's prompt once. Not under expert capacity (the drops of
     a forward depend on all its tokens) nor expert parallelism (every rank must run the same
-    number of forwards, whatever its batch's prompts)."""
+    number of forwards, whatever its batch's prompts), nor under deterministic routing (a response's
+    keys would sit after the padded prompt, at other offsets in the attention tiles than in the
+    engine's cache, and round differently: without sharing, trainer and engine agree bitwise)."""
     train = cfg.train
-    return train.share_prompts and train.moe_capacity_factor is None and train.expert_model_parallel_size == 1
+    return (
+        train.share_prompts
+        and train.moe_capacity_factor is None
+        and train.expert_model_parallel_size == 1
+        and not cfg.algo.deterministic_expert_routing
+    )
 
 
 # losses that add up over micro-batches and ranks (each part is already divided by the global
