@@ -153,10 +153,17 @@ def test_bad_yaml(tmp_path):
         load_config(["--config", str(tmp_path / "missing.yaml")])
 
 
-def test_co_evolution_section_is_recognised_and_not_available_yet(tmp_path):
+def test_co_evolution_section_needs_an_environment(tmp_path):
     y = tmp_path / "ma.yaml"
-    y.write_text("co_evolution:\n  strategy: alternating\n  population_size: 4\n")
-    with pytest.raises(ConfigError, match="--strategy is not available yet.*co-evolution"):
+    y.write_text("co_evolution:\n  strategy: alternating\n  population_size: 4\n  interval: 5\n")
+    with pytest.raises(
+        ConfigError, match="--strategy, --population-size, --co-evolution-interval .*--env-path"
+    ):
+        load_config(["--config", str(y)])
+    co = load_config(["--config", str(y), "--env-path", "kuhn_poker"]).co_evolution
+    assert (co.strategy, co.population_size, co.co_evolution_interval) == ("alternating", 4, 5)
+    y.write_text("co_evolution:\n  env_path: kuhn_poker\n  strategy: random\n")
+    with pytest.raises(ConfigError, match="strategy"):
         load_config(["--config", str(y)])
 
 

@@ -58,6 +58,3 @@ def option(
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
-
-
-NOT_YET_MA = "multi-agent co-evolution is not built yet"

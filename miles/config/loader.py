@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from miles.config.schema import RunConfig
+from miles.config.schema import CoEvolutionSection, RunConfig
 from miles.errors import ConfigError
 
 ENV_NOT_YET: dict[str, str] = {}  # environment variables of features not built yet: refused
@@ -376,6 +376,24 @@ def validate_speculative(cfg: RunConfig) -> None:
         )
 
 
+def validate_co_evolution(cfg: RunConfig) -> None:
+    """Co-evolution settings act only on a multi-agent environment; say so instead of ignoring them."""
+    co = cfg.co_evolution
+    if co.env_path:
+        return
+    default = CoEvolutionSection()
+    changed = [
+        "--" + f.name.replace("_", "-")
+        for f in dataclasses.fields(co)
+        if getattr(co, f.name) != getattr(default, f.name)
+    ]
+    if changed:
+        raise ConfigError(
+            f"{', '.join(changed)} set the co-evolution of several agents, but no environment is given; "
+            "add --env-path kuhn_poker (or module:Class), e.g. co_evolution: {env_path: kuhn_poker} in the YAML"
+        )
+
+
 def validate_moe(cfg: RunConfig) -> None:
     """Expert parallelism and offload need a layout that holds them; the R3 buffer needs R3. (The
     expert count is checked against the model when it is loaded: `miles.train.expert_parallel`.)"""
@@ -471,6 +489,7 @@ def validate(given: RunConfig) -> RunConfig:
     validate_precision(cfg)
     validate_speculative(cfg)
     validate_moe(cfg)
+    validate_co_evolution(cfg)
     if rollout.partial_rollout and cfg.sync.rollout_num_gpus_per_engine > 1:
         raise ConfigError(
             "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "

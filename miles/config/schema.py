@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.config.fields import (
-    NOT_YET_MA,
     option,
 )
 
@@ -536,14 +535,43 @@ class SyncSection:
 
 @dataclass
 class CoEvolutionSection:
-    """Several policies trained together (YAML section `co_evolution:`)."""
+    """Several policies trained together in multi-turn episodes (YAML section `co_evolution:`)."""
 
-    strategy: str | None = option(None, "alternating | simultaneous", available=NOT_YET_MA)
-    population_size: int | None = option(
-        None, "snapshots kept as opponents", available=NOT_YET_MA, bounds="[1, inf)"
+    env_path: str | None = option(
+        None,
+        "the multi-agent environment: kuhn_poker (built in) or module:Class (see miles/multiagent/episodes.py); "
+        "each agent gets its own copy of --model, optimizer, engine and checkpoint",
+        aliases=("env",),
     )
-    co_evolution_interval: int | None = option(
-        None, "steps between co-evolution updates", available=NOT_YET_MA, bounds="[1, inf)"
+    strategy: str = option(
+        "simultaneous",
+        "simultaneous: every agent trains every step; alternating: one agent trains for --co-evolution-interval "
+        "steps while the others are frozen, then the next",
+        choices=("simultaneous", "alternating"),
+    )
+    population_size: int | None = option(
+        None,
+        "fictitious self-play: keep each agent's last K snapshots (one every --co-evolution-interval steps) and "
+        "play a training agent against a snapshot of each opponent drawn at random (unset: the current opponents)",
+        bounds="[1, inf)",
+    )
+    co_evolution_interval: int = option(
+        20,
+        "steps between strategy switches (alternating) and between snapshots (population)",
+        bounds="[1, inf)",
+    )
+    episodes_per_step: int = option(64, "episodes each training agent plays per step", bounds="[1, inf)")
+    role_baseline_decay: float = option(
+        0.9,
+        "per-role baseline: each agent's advantage is its reward minus a moving average of its own rewards "
+        "(in zero-sum play the group mean of GRPO is ~0 and useless)",
+        bounds="[0, 1)",
+    )
+    action_warmup_steps: int = option(
+        50,
+        "before RL, steps of supervised warm-up that spread each agent's first move over the environment's "
+        "action tokens (when it names them), so the policies start near uniform",
+        bounds="[0, inf)",
     )
 
 

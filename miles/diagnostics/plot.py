@@ -45,6 +45,10 @@ PANELS = [
     ("router", ["router_entropy", "aux_loss"]),
     ("expert_share", ["expert_share_e*"]),  # each expert's share of the kept slots
     ("r3_buffer", ["r3_buffer_peak_mb"]),  # --r3-buffer-size
+    # co-evolution (--env-path): each agent's reward, and Kuhn Poker's exact exploitability
+    ("agent_reward", ["agent_reward_*"]),
+    ("exploitability", ["exploitability", "exploitability_avg", "game_value"]),
+    ("kuhn_policy", ["bet_*"]),  # P(bet) at each information set
 ]
 
 

@@ -27,6 +27,9 @@ THRESHOLDS = {
     "routing_mismatch": 0.005,  # median fraction of MoE top-k decisions that differ train vs rollout
     "expert_load": 3.0,  # median max/mean tokens per expert (top-k of E caps it at E/k)
     "expert_dropped": 0.1,  # median share of routed slots dropped over expert capacity
+    "co_evolution_swing": 0.25,  # range of the last iterate's exploitability over the last half of the run
+    "co_evolution_exploitability": 0.3,  # the average policy's exploitability at the end
+    "co_evolution_dominance": 0.5,  # an agent's mean reward over the last quarter (|reward| per episode)
     "sync_share": 0.25,  # median weight-sync seconds / step seconds
     "memory_growth_gb": 0.2,  # per-step peak memory growth over the run, in GB ...
     "memory_growth_frac": 0.1,  # ... and as a fraction of where it started
@@ -516,6 +519,70 @@ def expert_drops(run: RunRecord, compare: RunRecord | None):
         evidence,
         remedies,
     )
+
+
+def _co_evolution_remedies(run: RunRecord) -> list[Remedy]:
+    remedies = []
+    if run.setting("co_evolution.strategy") != "alternating":
+        remedies.append(
+            Remedy(["--strategy", "alternating"], "one agent learns against fixed opponents at a time")
+        )
+    if not run.setting("co_evolution.population_size"):
+        remedies.append(
+            Remedy(
+                ["--population-size", "4"],
+                "play against past snapshots (fictitious self-play), not only the latest",
+            )
+        )
+    if (run.setting("co_evolution.co_evolution_interval") or 20) < 20:
+        remedies.append(
+            Remedy(["--co-evolution-interval", "20"], "let each agent adapt before the next switches")
+        )
+    return remedies
+
+
+@check("co_evolution_instability", "co-evolution: the agents oscillate, or one dominates")
+def co_evolution_instability(run: RunRecord, compare: RunRecord | None):
+    steps = run.steps
+    tail = steps[len(steps) // 2 :]
+    last = [r["exploitability"] for r in tail if isinstance(r.get("exploitability"), (int, float))]
+    evidence, causes = [], []
+    if len(last) >= 4:
+        swing = max(last) - min(last)
+        avg = [r["exploitability_avg"] for r in tail if "exploitability_avg" in r]
+        end = avg[-1] if avg else last[-1]
+        if swing > THRESHOLDS["co_evolution_swing"] and end > THRESHOLDS["co_evolution_exploitability"]:
+            evidence.append(
+                Evidence(
+                    "exploitability",
+                    swing,
+                    None,
+                    THRESHOLDS["co_evolution_swing"],
+                    note=f"range over the last half: {min(last):.3g} to {max(last):.3g}",
+                )  # fmt: skip
+            )
+            evidence.append(
+                Evidence(
+                    "exploitability_avg",
+                    end,
+                    None,
+                    THRESHOLDS["co_evolution_exploitability"],
+                    note="at the end",
+                )
+            )
+            causes.append("each agent chases the other's latest policy, so neither settles")
+    quarter = steps[-max(2, len(steps) // 4) :]
+    for key in sorted({k for r in quarter for k in r if k.startswith("agent_reward_")}):
+        values = [r[key] for r in quarter if isinstance(r.get(key), (int, float))]
+        if len(values) >= 2 and abs(sum(values) / len(values)) > THRESHOLDS["co_evolution_dominance"]:
+            mean = sum(values) / len(values)
+            evidence.append(
+                Evidence(key, mean, None, THRESHOLDS["co_evolution_dominance"], note="mean, last quarter")
+            )
+            causes.append(f"{key[len('agent_reward_') :]} {'dominates' if mean > 0 else 'is dominated'}")
+    if not evidence:
+        return None
+    return "; ".join(causes), evidence, _co_evolution_remedies(run)
 
 
 @check("weight_sync_share", f"weight sync takes more than {THRESHOLDS['sync_share']:.0%} of the step")

@@ -67,6 +67,10 @@ class Run:
 
 def train(cfg: RunConfig) -> Path:
     """Run `miles train` with a resolved configuration; returns the run directory."""
+    if cfg.co_evolution.env_path:
+        from miles.multiagent.loop import train_agents
+
+        return train_agents(cfg)
     context = registry.context_length(cfg.model.model)
     if cfg.rollout.rollout_max_response_len >= context:
         raise ConfigError(

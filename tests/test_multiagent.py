@@ -1,0 +1,189 @@
+"""Multi-agent RL: Kuhn Poker's exact exploitability, multi-turn loss masks, the co-evolution
+strategies (alternating freezes the others bitwise) and population sampling."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import deque
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles.models import registry
+from miles.multiagent import kuhn
+from miles.multiagent.episodes import play
+from miles.rollout import Engine, SamplingParams
+from tests.conftest import ROOT
+
+EXAMPLES = ROOT / "examples"
+
+
+def test_exploitability_of_uniform_and_of_the_nash_family():
+    assert kuhn.exploitability(*kuhn.uniform()) == pytest.approx(11 / 12, abs=1e-12)
+    for alpha in (0.0, 0.2, 1 / 3):
+        p1, p2 = kuhn.nash(alpha)
+        assert kuhn.exploitability(p1, p2) == pytest.approx(0.0, abs=1e-12)
+        assert kuhn.game_value(p1, p2) == pytest.approx(-1 / 18, abs=1e-12)
+    p1, p2 = kuhn.nash(0.0)
+    p2 = dict(p2, **{"Q|b": 1.0})  # player 2 always calls with Q: player 1 gains by deviating
+    assert kuhn.exploitability(p1, p2) > 0.01
+
+
+policies = st.tuples(
+    st.fixed_dictionaries({k: st.floats(0, 1) for k in kuhn.INFOSETS["player_1"]}),
+    st.fixed_dictionaries({k: st.floats(0, 1) for k in kuhn.INFOSETS["player_2"]}),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(policies)
+def test_best_response_is_at_least_every_pure_policy(pair):
+    """The best response beats the policies' own value and every one of the 64 pure policies."""
+    p1, p2 = pair
+    v = kuhn.game_value(p1, p2)
+    br1, br2 = kuhn.best_response_value(0, (p1, p2)), kuhn.best_response_value(1, (p1, p2))
+    assert br1 >= v - 1e-12 and br2 >= -v - 1e-12
+    keys = kuhn.INFOSETS["player_1"]
+    for bits in range(64):
+        pure = {k: float(bits >> i & 1) for i, k in enumerate(keys)}
+        assert kuhn.game_value(pure, p2) <= br1 + 1e-12
+    assert kuhn.exploitability(p1, p2) >= -1e-12
+
+
+def test_average_policy_weights_by_own_reach():
+    avg = kuhn.AveragePolicy("player_1")
+    a = {k: 0.0 for k in kuhn.INFOSETS["player_1"]}  # always passes first: reaches "pb"
+    b = dict(a, **{"K|": 1.0, "K|pb": 1.0})  # with K bets first: "K|pb" unreachable
+    avg.add(a)
+    avg.add(b)
+    got = avg.policy()
+    assert got["K|"] == 0.5
+    assert got["K|pb"] == 0.0  # only a reaches it, and a folds there
+    assert got["J|pb"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def two_engines():
+    from miles.multiagent.loop import warm_up_actions
+
+    policy, tokenizer = registry.load("tiny")
+    engines = {}
+    for i, name in enumerate(kuhn.PLAYERS):
+        model = copy.deepcopy(policy)
+        torch.manual_seed(i)
+        prompts = [kuhn.transcript(k) for k in kuhn.INFOSETS[name]]
+        warm_up_actions(model, tokenizer, prompts, ("0", "1"), 12, 1e-3)  # both moves likely
+        engines[name] = Engine(model.eval(), tokenizer, 64, seed=i)
+    return engines, tokenizer
+
+
+def test_each_agent_is_trained_on_exactly_its_own_tokens(two_engines):
+    engines, tokenizer = two_engines
+    env = kuhn.KuhnPoker(seed=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=1, ignore_eos=True)
+    states, samples = play(env, engines, tokenizer, 48, params)
+    assert len(samples["player_1"]) == len(samples["player_2"]) == 48  # both move in every deal
+    histories = [s["history"] for s in states]
+    assert {"pp", "bp", "bb", "pbp", "pbb"} & set(histories)
+    assert any(len(h) == 3 for h in histories)  # some player 1 samples have two turns
+    for agent, first in (("player_1", 0), ("player_2", 1)):
+        for state, sample in zip(states, samples[agent]):
+            history, card = state["history"], state["cards"][first]
+            prompt = tokenizer.decode(sample.tokens[: sample.prompt_length])
+            assert prompt == kuhn.view(history[:first], card)  # its own card only
+            response = sample.tokens[sample.prompt_length :]
+            own = [t for t, m in zip(response, sample.loss_mask) if m]
+            seen = tokenizer.decode([t for t, m in zip(response, sample.loss_mask) if not m])
+            mine = history[first::2][: len(own)]  # this player's moves, in order
+            assert ["b" if tokenizer.decode([t]) == "1" else "p" for t in own] == list(mine)
+            assert seen == (kuhn.view(history[1], card) if first == 0 and len(history) == 3 else "")
+            assert sample.loss_mask[-1] == 1  # a sample ends with its agent's own move
+            assert len(sample.rollout_log_probs) == sample.response_length
+            assert all(lp < 0 for lp, m in zip(sample.rollout_log_probs, sample.loss_mask) if m)
+            assert sample.reward == env.rewards(state)[agent]
+            assert sample.rollout_routed_experts.shape[0] == len(sample.tokens) - 1
+
+
+def kuhn_args(tmp_path, *flags):
+    return [
+        "--config", str(EXAMPLES / "kuhn_poker.yaml"), "--output-dir", str(tmp_path), "--episodes-per-step", "16",
+        "--action-warmup-steps", "0", "--no-progress", *flags,
+    ]  # fmt: skip
+
+
+def test_alternating_trains_only_the_active_agent(tmp_path):
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+
+    train(load_config(kuhn_args(tmp_path, "--num-rollout", "2", "--co-evolution-interval", "2")))
+    base, _ = registry.load("tiny")
+    saved = {n: registry.load(str(tmp_path / "agents" / n))[0].state_dict() for n in kuhn.PLAYERS}
+    assert all(torch.equal(saved["player_2"][k], v) for k, v in base.state_dict().items())
+    assert any(not torch.equal(saved["player_1"][k], v) for k, v in base.state_dict().items())
+    steps = read_metrics(tmp_path)
+    assert [s["agent_trained_player_1"] for s in steps] == [1.0, 1.0]
+    assert [s["agent_trained_player_2"] for s in steps] == [0.0, 0.0]
+    assert all(s["exploitability_avg"] >= 0 for s in steps)
+
+
+def test_population_opponents_are_stored_snapshots():
+    from miles.multiagent.loop import Agent, opponent_engines
+
+    policy, tokenizer = registry.load("tiny")
+    agents = {}
+    for name in kuhn.PLAYERS:
+        model = copy.deepcopy(policy)
+        engines = [Engine(copy.deepcopy(model), tokenizer, 8) for _ in range(2)]
+        agents[name] = Agent(name, model, None, *engines, snapshots=deque(maxlen=3))
+    opponent = agents["player_2"]
+    for i in range(4):  # four snapshots into a population of 3: the first is gone
+        with torch.no_grad():
+            opponent.policy.lm_head.weight.fill_(float(i))
+        opponent.snapshot()
+    assert [float(s["lm_head.weight"][0, 0]) for s in opponent.snapshots] == [1.0, 2.0, 3.0]
+    rng, seen = random.Random(0), set()
+    for _ in range(30):
+        engines, picks = opponent_engines(agents, "player_1", rng)
+        assert engines["player_1"] is agents["player_1"].engine
+        weights = engines["player_2"].model.state_dict()
+        stored = opponent.snapshots[picks["player_2"]]
+        assert all(torch.equal(weights[k], v) for k, v in stored.items())
+        seen.add(picks["player_2"])
+    assert seen == {0, 1, 2}
+
+
+def test_doctor_names_oscillation_and_dominance_and_its_remedies_load(tmp_path):
+    """Swinging exploitability with an unconverged average (the simultaneous run's shape), or one
+    agent winning every episode, is named; the remedies are valid flags on the run's own config."""
+    import json
+
+    import yaml
+
+    from miles.config import load_config, to_dict
+    from miles.doctor.checks import CHECKS
+    from miles.doctor.run import load_run
+
+    cfg = load_config(["--config", str(EXAMPLES / "kuhn_poker_simultaneous.yaml")])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+
+    def write(rows):
+        lines = [json.dumps({"rollout": i, "reward_mean": 0.0, **row}) for i, row in enumerate(rows)]
+        (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        return CHECKS["co_evolution_instability"].run(load_run(tmp_path), None)
+
+    swing = [{"exploitability": 0.5 + 0.8 * (i // 10 % 2), "exploitability_avg": 0.7} for i in range(60)]
+    found = write(swing)
+    assert found and "neither settles" in found.cause
+    flags = [r.flags for r in found.remedies]
+    assert ["--strategy", "alternating"] in flags and ["--population-size", "4"] in flags
+    for f in flags:
+        load_config(["--config", str(tmp_path / "config.yaml"), *f])
+    settled = [{"exploitability": 0.5 + 0.8 * (i // 10 % 2), "exploitability_avg": 0.1} for i in range(60)]
+    assert write(settled) is None  # the average policy converged: fictitious play's promise
+    dominated = [{"agent_reward_player_1": 0.9, "agent_reward_player_2": -0.9} for _ in range(40)]
+    found = write(dominated)
+    assert found and "player_1 dominates" in found.cause and "player_2 is dominated" in found.cause
