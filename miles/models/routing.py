@@ -51,19 +51,6 @@ def capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     return math.ceil(n_tokens * top_k / n_experts * factor)
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear computed TILE_ROWS rows at a time, the last tile zero-padded: every GEMM call has
-    the same shape, so each row's result is bitwise independent of the other rows."""
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    n = rows.shape[0]
-    pad = (-n) % TILE_ROWS
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    out = torch.cat([F.linear(tile, weight, bias) for tile in rows.split(TILE_ROWS)])[:n]
-    return out.reshape(*shape[:-1], weight.shape[0])
-
-
 def tiled_apply(fn, x: torch.Tensor) -> torch.Tensor:
     """fn over the rows of x, TILE_ROWS at a time, the last tile zero-padded.
 
@@ -78,6 +65,12 @@ def tiled_apply(fn, x: torch.Tensor) -> torch.Tensor:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     out = torch.cat([fn(tile) for tile in rows.split(TILE_ROWS)])[:n]
     return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on full TILE_ROWS-row tiles: every GEMM call has the same shape, so each row's
+    result is bitwise independent of the other rows (CPU GEMMs pick their blocking by shape)."""
+    return tiled_apply(lambda tile: F.linear(tile, weight, bias), x)
 
 
 def top_k(probs: torch.Tensor, k: int, deterministic: bool) -> torch.Tensor:
