@@ -84,6 +84,17 @@ def load_table(steps: int, strength: float) -> None:
         )
 
 
+ROUTING_COLUMNS = [  # (metric, format) in the routing table's column order
+    ("routing_mismatch_frac", ".2%"),
+    ("routing_mismatch_token_frac", ".2%"),
+    ("train_rollout_logprob_abs_diff", ".2e"),
+    ("train_rollout_logprob_abs_diff_max", ".2e"),
+    ("kl_rollout_train_k3", ".2e"),
+    ("rollout_time", ".3f"),
+    ("train_time", ".3f"),
+]
+
+
 def routing_table(steps: int) -> None:
     sources = [("fp32", []), ("FP8 rollout", ["--fp8-rollout-only", "--no-use-tis"])]
     remedies = [
@@ -91,7 +102,7 @@ def routing_table(steps: int) -> None:
         ("--use-r3", ["--use-r3"]),
         ("--deterministic-expert-routing", ["--deterministic-expert-routing"]),
     ]
-    print(f"\ntrainer vs engine routing, default job sizes of SMALL, {steps} steps (medians over steps)")
+    print(f"\ntrainer vs engine routing, 8 prompts x 4 samples a step, {steps} steps (medians over steps)")
     print(
         "| engine | remedy | choices differing | tokens differing | mean \\|Δlogp\\| | max \\|Δlogp\\| | K3 KL | rollout s | train s |"
     )
@@ -102,14 +113,8 @@ def routing_table(steps: int) -> None:
                 ["--num-rollout", str(steps), "--eval-size", "0", "--no-use-r3", *src_flags, *rem_flags]
             )
             trained = [r for r in records if r["rollout"] >= 0]
-            print(
-                f"| {source} | {remedy} | {median(trained, 'routing_mismatch_frac'):.2%} "
-                f"| {median(trained, 'routing_mismatch_token_frac'):.2%} "
-                f"| {median(trained, 'train_rollout_logprob_abs_diff'):.2e} "
-                f"| {median(trained, 'train_rollout_logprob_abs_diff_max'):.2e} "
-                f"| {median(trained, 'kl_rollout_train_k3'):.2e} "
-                f"| {median(trained, 'rollout_time'):.3f} | {median(trained, 'train_time'):.3f} |"
-            )
+            cells = [format(median(trained, key), spec) for key, spec in ROUTING_COLUMNS]
+            print(f"| {source} | {remedy} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def test_average_policy_weights_by_own_reach():
 
 @pytest.fixture(scope="module")
 def two_engines():
-    from miles.multiagent.loop import warm_up_actions
+    from miles.multiagent.actions import warm_up_actions
 
     policy, tokenizer = registry.load("tiny")
     engines = {}

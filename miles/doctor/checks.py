@@ -464,6 +464,12 @@ def routing_mismatch(run: RunRecord, compare: RunRecord | None):
 # ---- MoE, systems ------------------------------------------------------------------------------
 
 
+def _next_aux_coef(run: RunRecord) -> str:
+    """The load-balancing ladder: 0.01 first, then ten times the run's own coefficient."""
+    coef = run.setting("train.aux_loss_coef", 0.0)
+    return f"{0.01 if not coef else coef * 10:g}"
+
+
 @check("expert_imbalance", "MoE: a few experts take most tokens")
 def expert_imbalance(run: RunRecord, compare: RunRecord | None):
     load = run.median("expert_load_max_over_mean")
@@ -472,10 +478,10 @@ def expert_imbalance(run: RunRecord, compare: RunRecord | None):
     evidence = [
         Evidence("expert_load_max_over_mean", load, None, THRESHOLDS["expert_load"], note="median over steps")
     ]
-    coef = run.setting("train.aux_loss_coef", 0.0)
-    new = 0.01 if not coef else coef * 10
     remedies = [
-        Remedy(["--aux-loss-coef", f"{new:g}"], "the load-balancing loss pushes tokens to idle experts")
+        Remedy(
+            ["--aux-loss-coef", _next_aux_coef(run)], "the load-balancing loss pushes tokens to idle experts"
+        )
     ]
     if run.setting("train.moe_capacity_factor") is None:
         remedies.append(
@@ -506,10 +512,9 @@ def expert_drops(run: RunRecord, compare: RunRecord | None):
     if bound is not None:
         evidence.append(Evidence("expert_load_max_over_balanced", bound, note="the bound capacity holds"))
     factor = run.setting("train.moe_capacity_factor") or 1.0
-    coef = run.setting("train.aux_loss_coef", 0.0)
     remedies = [
         Remedy(
-            ["--aux-loss-coef", f"{0.01 if not coef else coef * 10:g}"],
+            ["--aux-loss-coef", _next_aux_coef(run)],
             "spread the tokens, so fewer exceed an expert's capacity",
         ),
         Remedy(["--moe-capacity-factor", f"{factor * 2:g}"], "room for twice the balanced share per expert"),

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from miles.data.sample import Sample, Status
 from miles.rollout import Engine, Request, SamplingParams
 
@@ -112,9 +114,7 @@ def play(
     return states, samples
 
 
-def role_advantages(samples: Sequence[Sample], baseline: float) -> list:
+def role_advantages(samples: Sequence[Sample], baseline: float) -> list[torch.Tensor]:
     """Reward minus the agent's (role's) baseline, on every response token (the trainer applies
     the loss mask)."""
-    import torch
-
     return [torch.full((s.response_length,), float(s.reward) - baseline) for s in samples]

@@ -20,12 +20,15 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
+from miles.multiagent.actions import read_policy
+
 CARDS = "JQK"
 RANK = {c: i for i, c in enumerate(CARDS)}
 PLAYERS = ("player_1", "player_2")
 HISTORIES = {"player_1": ("", "pb"), "player_2": ("p", "b")}
 INFOSETS = {p: [f"{c}|{h}" for c in CARDS for h in HISTORIES[p]] for p in PLAYERS}
 TERMINAL = {"pp", "bp", "bb", "pbp", "pbb"}
+DEALS = ["".join(d) for d in itertools.permutations(CARDS, 2)]  # (player 1's card, player 2's)
 
 Policy = dict[str, float]  # information set -> P(bet)
 
@@ -63,16 +66,24 @@ def view(new_moves: str, card: str) -> str:
 
 
 def transcript(key: str) -> str:
-    """The text a player has seen (its own moves included) at information set `key`, as its
-    turns build it: "K|pb" -> "9" (its K) + "0" (its pass) + "19" (the bet, its card again)."""
+    """The text a player has seen (its own moves included) at information set `key`, built by the
+    environment's own `observe` and `act` replaying the history: "K|pb" -> "9" (its K) + "0" (its
+    pass) + "19" (the bet, its card again)."""
     card, history = key.split("|")
-    if len(history) % 2 == 0:  # player 1: its turns start at history 0 and 2
-        turns = [history[i : i + 2] for i in range(0, len(history), 2)]
-        text = view("", card)
-        for t in turns:  # each pair: its own move, then the opponent's answer
-            text += MOVE_TEXT[t[0]] + view(t[1:], card)
-        return text
-    return view(history[0], card)  # player 2 moves once, after player 1's first move
+    agent = PLAYERS[len(history) % 2]
+    env = KuhnPoker()
+    state = {
+        "cards": card + card,
+        "history": "",
+        "seen": {p: 0 for p in PLAYERS},
+    }  # only its own card is read
+    text = ""
+    for move in history:
+        mover = env.current(state)
+        if mover == agent:
+            text += env.observe(state, agent) + MOVE_TEXT[move]
+        env.act(state, mover, MOVE_TEXT[move])
+    return text + env.observe(state, agent)
 
 
 def _value(cards: str, history: str, policies: tuple[Policy, Policy]) -> float:
@@ -85,13 +96,11 @@ def _value(cards: str, history: str, policies: tuple[Policy, Policy]) -> float:
 
 def game_value(p1: Policy, p2: Policy) -> float:
     """Player 1's expected winnings (player 2's are the negative)."""
-    deals = ["".join(d) for d in itertools.permutations(CARDS, 2)]
-    return sum(_value(d, "", (p1, p2)) for d in deals) / len(deals)
+    return sum(_value(d, "", (p1, p2)) for d in DEALS) / len(DEALS)
 
 
 def best_response_value(responder: int, policies: tuple[Policy, Policy]) -> float:
     """The responder's (0 or 1) expected winnings when it best-responds to the other's policy."""
-    deals = ["".join(d) for d in itertools.permutations(CARDS, 2)]
     sign = 1.0 if responder == 0 else -1.0
     cache: dict[str, float] = {}
 
@@ -101,10 +110,9 @@ def best_response_value(responder: int, policies: tuple[Policy, Policy]) -> floa
         out = {}
         for action in "pb":
             total = 0.0
-            for d in deals:
-                if d[responder] != card:
-                    continue
-                total += opponent_reach(d, history) * reach_value(d, history + action) / len(deals)
+            for d in DEALS:
+                if d[responder] == card:
+                    total += opponent_reach(d, history) * reach_value(d, history + action) / len(DEALS)
             out[action] = total
         return out
 
@@ -133,7 +141,7 @@ def best_response_value(responder: int, policies: tuple[Policy, Policy]) -> floa
             cache[key] = max(values, key=values.get)
         return reach_value(d, history + cache[key])
 
-    return sum(reach_value(d, "") for d in deals) / len(deals)
+    return sum(reach_value(d, "") for d in DEALS) / len(DEALS)
 
 
 def exploitability(p1: Policy, p2: Policy) -> float:
@@ -231,8 +239,6 @@ class KuhnTracker:
         self.average = {p: AveragePolicy(p) for p in PLAYERS}
 
     def __call__(self, env: KuhnPoker, models: dict, tokenizer) -> dict[str, float]:
-        from miles.multiagent.loop import read_policy
-
         current = {
             p: dict(zip(INFOSETS[p], read_policy(models[p], tokenizer, [transcript(k) for k in INFOSETS[p]],
                                                 env.action_tokens)))

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from miles.config.schema import RunConfig
 from miles.errors import ConfigError
 from miles.models import registry
 from miles.models.checkpoint import save_model
+from miles.multiagent.actions import warm_up_actions
 from miles.multiagent.episodes import Environment, play, role_advantages
 from miles.rollout import Engine, SamplingParams
 from miles.runtime.metrics import MetricsLogger, run_dir_for
@@ -76,10 +76,9 @@ class Agent:
     policy: torch.nn.Module
     trainer: PolicyTrainer
     engine: Engine
-    snapshot_engine: Engine  # plays an opponent's past snapshot
+    snapshot_engine: Engine | None  # plays an opponent's past snapshot (with a population)
     snapshots: deque = field(default_factory=deque)
     baseline: float = 0.0
-    steps_trained: int = 0
 
     def sync(self, version: int) -> None:
         self.engine.update_weights(self.policy.state_dict().items(), version=version)
@@ -101,40 +100,6 @@ def opponent_engines(agents: dict[str, Agent], learner: str, rng: random.Random)
     return engines, picks
 
 
-def warm_up_actions(
-    policy, tokenizer, prompts: list[str], actions: tuple[str, ...], steps: int, lr: float
-) -> float:
-    """Supervised steps toward the uniform distribution over the action tokens at the end of
-    each prompt; returns the probability mass left outside them (at the worst prompt)."""
-    ids = [tokenizer.encode(a)[0] for a in actions]
-    by_length: dict[int, list[list[int]]] = {}
-    for p in prompts:
-        encoded = tokenizer.encode(p)
-        by_length.setdefault(len(encoded), []).append(encoded)
-    batches = [torch.tensor(group) for group in by_length.values()]  # equal lengths: no padding
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
-    policy.train()
-    for _ in range(steps):
-        loss = sum(-F.log_softmax(policy(x).logits[:, -1], -1)[:, ids].mean(-1).sum() for x in batches)
-        opt.zero_grad()
-        (loss / len(prompts)).backward()
-        opt.step()
-    policy.eval()
-    with torch.no_grad():
-        mass = torch.cat([policy(x).logits[:, -1].softmax(-1)[:, ids].sum(-1) for x in batches])
-    return 1.0 - float(mass.min())
-
-
-def read_policy(policy, tokenizer, prompts: list[str], actions: tuple[str, str]) -> list[float]:
-    """At each prompt, the probability that the response starts with the second action token:
-    exactly the behaviour policy when every other token counts as the first action."""
-    b = tokenizer.encode(actions[1])[0]
-    with torch.no_grad():
-        return [
-            float(policy(torch.tensor([tokenizer.encode(p)])).logits[0, -1].softmax(-1)[b]) for p in prompts
-        ]
-
-
 def train_agents(cfg: RunConfig) -> Path:
     co = cfg.co_evolution
     env = build_env(co.env_path, cfg.train.seed)
@@ -149,12 +114,11 @@ def train_agents(cfg: RunConfig) -> Path:
         ignore_eos=True,
     )
     agents: dict[str, Agent] = {}
-    tokenizer = None
+    base, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)  # a shared base, copied per agent
+    engine_size = max(8, co.episodes_per_step)
     for i, name in enumerate(env.agents):
         torch.manual_seed(cfg.train.seed + i)
-        policy, tokenizer = registry.load(
-            cfg.model.model, seed=cfg.train.seed
-        )  # a shared base, loaded per agent
+        policy = copy.deepcopy(base)
         if co.action_warmup_steps and hasattr(env, "action_tokens") and hasattr(env, "warmup_prompts"):
             outside = warm_up_actions(
                 policy, tokenizer, env.warmup_prompts(name), env.action_tokens, co.action_warmup_steps, 1e-3
@@ -165,16 +129,22 @@ def train_agents(cfg: RunConfig) -> Path:
                 outside,
                 env.action_tokens,
             )
-        engine_size = max(8, co.episodes_per_step)
+        snapshot_engine = None
+        if co.population_size is not None:
+            snapshot_engine = Engine(
+                copy.deepcopy(policy), tokenizer, engine_size, seed=cfg.rollout.rollout_seed + 100 + i
+            )
         agents[name] = Agent(
             name,
             policy,
             PolicyTrainer(policy, acfg),
             Engine(copy.deepcopy(policy), tokenizer, engine_size, seed=cfg.rollout.rollout_seed + i),
-            Engine(copy.deepcopy(policy), tokenizer, engine_size, seed=cfg.rollout.rollout_seed + 100 + i),
+            snapshot_engine,
             deque(maxlen=co.population_size or 1),
         )
-        agents[name].snapshot()
+        if co.population_size is not None:
+            agents[name].snapshot()
+    del base
     names = list(env.agents)
     tracker = env.tracker() if hasattr(env, "tracker") else None
     steps = cfg.rollout.num_rollout
@@ -213,7 +183,6 @@ def train_agents(cfg: RunConfig) -> Path:
             record[f"agent_baseline_{n}"] = agent.baseline
             record[f"agent_pg_loss_{n}"] = out.get("pg_loss", 0.0)
             record[f"agent_response_len_{n}"] = _mean([s.response_length for s in batches[n]])
-            agent.steps_trained += 1
             agent.sync(step + 1)
         if co.population_size is not None and (step + 1) % co.co_evolution_interval == 0:
             for n in names:
