@@ -14,7 +14,8 @@
    weights broadcast over the weight-update group (NCCL; auto for disaggregated GPUs), expert
    parallelism over NCCL ranks;
 5. MoE: --offload-experts (same gradients, experts off the device, peak memory printed),
-   deterministic routing and expert capacity in the default job.
+   deterministic routing and expert capacity in the default job;
+6. --rollout-backend sglang against a real SGLang server (skipped where sglang is not installed).
 Prints one line per check and exits non-zero on the first failure.
 """
 
@@ -294,6 +295,45 @@ def expert_offload_on_cuda() -> None:
     )
 
 
+def sglang_backend() -> None:
+    """--rollout-backend sglang against a real SGLang server, where the machine has SGLang: the
+    default job's first 25 steps learn as with the built-in engine (weights through disk)."""
+    import importlib.util
+    import socket
+    import subprocess
+    import urllib.request
+
+    if importlib.util.find_spec("sglang") is None:
+        print("SKIP  SGLang backend: sglang is not installed on this machine")
+        return
+    from miles.models import registry, save_model
+
+    policy, tokenizer = registry.load("tiny")
+    model_dir = Path(tempfile.mkdtemp()) / "tiny"
+    save_model(policy, model_dir, tokenizer=tokenizer)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--port", str(port),
+         "--enable-return-routed-experts", "--mem-fraction-static", "0.2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(180):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        default_job_on_cuda(
+            ["--rollout-backend", "sglang", "--sglang-url", url], "default job, SGLang server", False
+        )
+    finally:
+        server.kill()
+
+
 def main() -> None:
     check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
     engine_cuda_vs_cpu("tiny")
@@ -324,6 +364,7 @@ def main() -> None:
         ["--deterministic-expert-routing"], "default job, --device cuda, deterministic routing"
     )
     default_job_on_cuda(["--moe-capacity-factor", "1.25"], "default job, --device cuda, capacity 1.25")
+    sglang_backend()
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)
         (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate"], "Ray 2 ranks (NCCL) colocated"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import random
-from collections import deque
 
 import pytest
 import torch
@@ -130,30 +129,54 @@ def test_alternating_trains_only_the_active_agent(tmp_path):
     assert all(s["exploitability_avg"] >= 0 for s in steps)
 
 
-def test_population_opponents_are_stored_snapshots():
-    from miles.multiagent.loop import Agent, opponent_engines
+def test_population_opponents_are_stored_snapshots(tmp_path):
+    """A drawn snapshot is in the opponent's engine exactly while the learner plays it; the
+    opponent's current weights are back after; every stored snapshot gets drawn."""
+    from miles.config import load_config
+    from miles.multiagent.loop import against_snapshots, make_agent
 
+    cfg = load_config(kuhn_args(tmp_path, "--population-size", "3"))
     policy, tokenizer = registry.load("tiny")
-    agents = {}
-    for name in kuhn.PLAYERS:
-        model = copy.deepcopy(policy)
-        engines = [Engine(copy.deepcopy(model), tokenizer, 8) for _ in range(2)]
-        agents[name] = Agent(name, model, None, *engines, snapshots=deque(maxlen=3))
+    agents = {
+        n: make_agent(n, i, copy.deepcopy(policy), tokenizer, cfg, 16, 8) for i, n in enumerate(kuhn.PLAYERS)
+    }
     opponent = agents["player_2"]
+    head = opponent.policy().lm_head.weight
     for i in range(4):  # four snapshots into a population of 3: the first is gone
         with torch.no_grad():
-            opponent.policy.lm_head.weight.fill_(float(i))
-        opponent.snapshot()
-    assert [float(s["lm_head.weight"][0, 0]) for s in opponent.snapshots] == [1.0, 2.0, 3.0]
+            head.fill_(float(i))
+        opponent.snapshot(step=10 * i)
+    assert [(step, float(w["model.embed_tokens.weight"][0, 0])) for step, w in opponent.snapshots] == [
+        (10, 1.0),
+        (20, 2.0),
+        (30, 3.0),
+    ]
+    with torch.no_grad():
+        head.fill_(7.0)  # the current weights, not yet in the engine
+    opponent.push(5)
     rng, seen = random.Random(0), set()
     for _ in range(30):
-        engines, picks = opponent_engines(agents, "player_1", rng)
-        assert engines["player_1"] is agents["player_1"].engine
-        weights = engines["player_2"].model.state_dict()
-        stored = opponent.snapshots[picks["player_2"]]
-        assert all(torch.equal(weights[k], v) for k, v in stored.items())
+        with against_snapshots(agents, "player_1", rng) as picks:
+            engine = opponent.rollout
+            stored = opponent.snapshots[picks["player_2"]][1]
+            assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in stored.items())
+            assert agents["player_1"].rollout.model.lm_head.weight.abs().max() < 7.0  # the learner: untouched
         seen.add(picks["player_2"])
+        assert float(opponent.rollout.model.lm_head.weight[0, 0].detach()) == 7.0  # current weights back
     assert seen == {0, 1, 2}
+
+
+def test_role_advantages_use_the_group_mean_inside_a_group():
+    from miles.data.sample import Sample
+    from miles.multiagent.episodes import role_advantages
+
+    samples = [
+        Sample(tokens=[1, 2, 3], response_length=2, reward=r, metadata=m)
+        for r, m in [(1.0, {"group": 0}), (0.0, {"group": 0}), (0.5, {}), (0.25, {"group": 1})]
+    ]
+    got = [a.tolist() for a in role_advantages(samples, baseline=0.1)]
+    # group 0: mean 0.5; no group and a group of one: the role's baseline
+    assert got == [pytest.approx([v, v]) for v in (0.5, -0.5, 0.4, 0.15)]
 
 
 def test_doctor_names_oscillation_and_dominance_and_its_remedies_load(tmp_path):
@@ -187,3 +210,72 @@ def test_doctor_names_oscillation_and_dominance_and_its_remedies_load(tmp_path):
     dominated = [{"agent_reward_player_1": 0.9, "agent_reward_player_2": -0.9} for _ in range(40)]
     found = write(dominated)
     assert found and "player_1 dominates" in found.cause and "player_2 is dominated" in found.cause
+
+
+def test_proposer_problems_and_rewards():
+    from miles.multiagent.proposer_solver import parse_problem, proposer_reward
+
+    assert parse_problem("8 - 6 = 0 8 = 00") == ("8 - 6", 2)
+    assert parse_problem("x 12+7 =") == ("12 + 7", 19)
+    assert parse_problem("1234 + 5", max_digits=3) is None
+    assert parse_problem("11") is None
+    assert [proposer_reward(True, p) for p in (0.0, 0.25, 0.75, 1.0)] == [0.0, 0.75, 0.25, 0.0]
+    assert proposer_reward(False, 0.0) == -1.0
+
+
+def test_proposer_solver_episodes_score_each_attempt_and_group_them():
+    """Every solver sample is one attempt at a proposed problem, graded by reasoning-gym against
+    the problem's true value; the proposer's reward follows from its problem's attempts."""
+    from miles.multiagent.proposer_solver import ProposerSolver, parse_problem, proposer_reward
+
+    policy, tokenizer = registry.load("tiny")
+    env = ProposerSolver(seed=0, attempts=3, eval_size=8)
+    engines = {n: Engine(copy.deepcopy(policy), tokenizer, 32, seed=i) for i, n in enumerate(env.agents)}
+    states, samples = env.play(engines, tokenizer, 24, SamplingParams(temperature=1.0), seed=0)
+    proposals = samples["proposer"]
+    assert len(proposals) == 24 and sum(s["problem"] is not None for s in states) >= 3
+    by_group: dict[int, list] = {}
+    for s in samples["solver"]:
+        assert s.loss_mask == [1] * s.response_length and s.metadata["agent"] == "solver"
+        problem = states[s.metadata["group"]]["problem"]
+        prompt = tokenizer.decode(s.tokens[: s.prompt_length])
+        assert f"Calculate {problem[0]}." in prompt
+        answer = tokenizer.decode(s.response_tokens, skip_special_tokens=True).strip()
+        truth = str(eval(problem[0]))  # the oracle: Python's arithmetic
+        assert s.reward == (
+            1.0 if answer == truth else (len(truth) / len(answer) if truth in answer else 0.0)
+        )
+        by_group.setdefault(s.metadata["group"], []).append(s.reward)
+    assert {len(v) for v in by_group.values()} == {3}
+    for i, (sample, state) in enumerate(zip(proposals, states)):
+        text = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+        assert state["problem"] == parse_problem(text)
+        passed = sum(r == 1.0 for r in by_group.get(i, [])) / 3
+        assert sample.reward == proposer_reward(state["problem"] is not None, passed)
+
+
+def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path):
+    """Two steps, stop, resume to four: the same metrics (rewards, snapshots drawn, the average
+    policy's exploitability) and bitwise the same weights as four steps in one go."""
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+
+    flags = ("--strategy", "simultaneous", "--co-evolution-interval", "1", "--population-size", "2")
+    whole, ckpt = tmp_path / "whole", tmp_path / "ckpt"
+    train(load_config(kuhn_args(whole, *flags, "--num-rollout", "4")))
+    part = tmp_path / "part"
+    train(load_config(kuhn_args(part, *flags, "--num-rollout", "2", "--save", str(ckpt))))
+    train(
+        load_config(kuhn_args(part, *flags, "--num-rollout", "4", "--save", str(ckpt), "--load", str(ckpt)))
+    )
+    a, b = read_metrics(whole), read_metrics(part)
+    assert [s["rollout"] for s in b] == [0, 1, 2, 3]
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if "time" not in k} == {
+            k: v for k, v in y.items() if "time" not in k
+        }
+    for name in kuhn.PLAYERS:
+        ours = registry.load(str(whole / "agents" / name))[0].state_dict()
+        theirs = registry.load(str(part / "agents" / name))[0].state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)

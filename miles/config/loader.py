@@ -394,6 +394,38 @@ def validate_co_evolution(cfg: RunConfig) -> None:
         )
 
 
+def validate_sglang(cfg: RunConfig) -> None:
+    """The SGLang backend needs its servers, and takes the place of the engine's own features."""
+    sg = cfg.sglang
+    if sg.rollout_backend != "sglang":
+        if sg.sglang_url:
+            raise ConfigError(
+                f"--sglang-url {sg.sglang_url} is set but the rollout backend is {sg.rollout_backend!r}; "
+                "add --rollout-backend sglang"
+            )
+        return
+    if not sg.sglang_url or not [u for u in sg.sglang_url.split(",") if u.strip()]:
+        raise ConfigError(
+            "--rollout-backend sglang needs --sglang-url http://HOST:PORT (comma-separate several)"
+        )
+    bad = [u for u in sg.sglang_url.split(",") if not u.strip().startswith(("http://", "https://"))]
+    if bad:
+        raise ConfigError(f"--sglang-url: {bad[0]!r} is not an http(s):// URL")
+    clashes = {
+        "--partial-rollout": cfg.rollout.partial_rollout,
+        "--draft-model": cfg.speculative.draft_model,
+        "--rollout-num-gpus": (cfg.sync.rollout_num_gpus or 1) > 1,
+        "--debug-train-only": cfg.debug.debug_train_only,
+        "--env-path": cfg.co_evolution.env_path,
+    }
+    on = [flag for flag, value in clashes.items() if value]
+    if on:
+        raise ConfigError(
+            f"--rollout-backend sglang does not combine with {', '.join(on)} yet: the servers run the rollout "
+            "(configure SGLang's own speculative decoding and parallelism on the server)"
+        )
+
+
 def validate_moe(cfg: RunConfig) -> None:
     """Expert parallelism and offload need a layout that holds them; the R3 buffer needs R3. (The
     expert count is checked against the model when it is loaded: `miles.train.expert_parallel`.)"""
@@ -490,6 +522,7 @@ def validate(given: RunConfig) -> RunConfig:
     validate_speculative(cfg)
     validate_moe(cfg)
     validate_co_evolution(cfg)
+    validate_sglang(cfg)
     if rollout.partial_rollout and cfg.sync.rollout_num_gpus_per_engine > 1:
         raise ConfigError(
             "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "

@@ -539,8 +539,8 @@ class CoEvolutionSection:
 
     env_path: str | None = option(
         None,
-        "the multi-agent environment: kuhn_poker (built in) or module:Class (see miles/multiagent/episodes.py); "
-        "each agent gets its own copy of --model, optimizer, engine and checkpoint",
+        "the multi-agent environment: kuhn_poker or proposer_solver (built in), or module:Class (see "
+        "miles/multiagent/episodes.py); each agent gets its own copy of --model, optimizer, engine and checkpoint",
         aliases=("env",),
     )
     strategy: str = option(
@@ -596,6 +596,34 @@ class DebugSection:
 
 
 @dataclass
+class SGLangSection:
+    """Rollout on external SGLang servers (YAML section `sglang:`; see docs/rollout.md)."""
+
+    rollout_backend: str = option(
+        "miles",
+        "miles: the built-in engine (in this process or as Ray actors); sglang: SGLang servers (or `miles serve`) "
+        "at --sglang-url, through their native /generate and /update_weights_from_disk",
+        choices=("miles", "sglang"),
+    )
+    sglang_url: str | None = option(
+        None,
+        "with --rollout-backend sglang: the servers' base URLs, comma-separated (a router's URL is one server)",
+    )
+    sglang_max_concurrency: int = option(32, "requests in flight to the servers at once", bounds="[1, inf)")
+    sglang_retries: int = option(
+        3,
+        "tries per server for a request that meets a connection error or a 5xx (backoff doubles)",
+        bounds="[1, inf)",
+    )
+    sglang_request_timeout: float = option(600.0, "seconds to wait for one response", bounds="(0, inf)")
+    sglang_weight_dir: str | None = option(
+        None,
+        "where the trainer writes the weights each server loads (default RUN_DIR/sglang_weights); the servers must "
+        "be able to read it (same host or a shared filesystem)",
+    )
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -609,4 +637,5 @@ class RunConfig:
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     sync: SyncSection = field(default_factory=SyncSection)
     co_evolution: CoEvolutionSection = field(default_factory=CoEvolutionSection)
+    sglang: SGLangSection = field(default_factory=SGLangSection)
     debug: DebugSection = field(default_factory=DebugSection)

@@ -49,6 +49,9 @@ PANELS = [
     ("agent_reward", ["agent_reward_*"]),
     ("exploitability", ["exploitability", "exploitability_avg", "game_value"]),
     ("kuhn_policy", ["bet_*"]),  # P(bet) at each information set
+    ("win_rate", ["win_rate_*"]),  # each agent's, and against each population member by age
+    # proposer/solver: the solver's held-out accuracy and how much of what the proposer writes it can learn from
+    ("proposer_solver", ["solver_eval_accuracy", "learnable_share", "valid_share", "solver_pass_rate"]),
 ]
 
 

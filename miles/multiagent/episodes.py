@@ -20,6 +20,8 @@ agent.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,12 +74,15 @@ def play(
     tokenizer,
     n_episodes: int,
     params: SamplingParams,
+    seed: int | None = None,
 ) -> tuple[list[Any], dict[str, list[Sample]]]:
     """Play `n_episodes` with `engines[agent]` generating each agent's turns; returns the final
-    states and each agent's samples (one per episode in which it moved), rewards filled."""
+    states and each agent's samples (one per episode in which it moved), rewards filled. With
+    `seed`, every request's sampling seed follows from (seed, turn, episode): the episodes do not
+    depend on what the engines generated before (a resumed run replays them exactly)."""
     states = [env.reset() for _ in range(n_episodes)]
     scripts: list[dict[str, Transcript]] = [{a: Transcript() for a in env.agents} for _ in states]
-    while True:
+    for turn in itertools.count():
         waiting: dict[str, list[int]] = {}
         for i, state in enumerate(states):
             agent = env.current(state)
@@ -93,7 +98,7 @@ def play(
                 t.tokens += new
                 t.own += [0] * len(new)
                 t.log_probs += [0.0] * len(new)
-                requests.append(Request(list(t.tokens), params))
+                requests.append(Request(list(t.tokens), seeded(params, seed, turn, i)))
             for i, out in zip(episodes, engines[agent].generate(requests)):
                 t = scripts[i][agent]
                 response = out.response_tokens
@@ -114,7 +119,26 @@ def play(
     return states, samples
 
 
+def seeded(params: SamplingParams, seed: int | None, *where: int) -> SamplingParams:
+    """`params` with a sampling seed fixed by `seed` and the request's place (None: the engine's own)."""
+    if seed is None:
+        return params
+    return dataclasses.replace(
+        params, seed=hash((seed, *where)) % 2**63
+    )  # ints hash the same in every process
+
+
 def role_advantages(samples: Sequence[Sample], baseline: float) -> list[torch.Tensor]:
     """Reward minus the agent's (role's) baseline, on every response token (the trainer applies
-    the loss mask)."""
-    return [torch.full((s.response_length,), float(s.reward) - baseline) for s in samples]
+    the loss mask). Samples the environment marks with one `metadata["group"]` (several attempts
+    at one problem) are measured against their group's mean reward instead: GRPO within a role."""
+    groups: dict[Any, list[float]] = {}
+    for s in samples:
+        if (g := s.metadata.get("group")) is not None:
+            groups.setdefault(g, []).append(float(s.reward))
+    out = []
+    for s in samples:
+        rewards = groups.get(s.metadata.get("group"), [])
+        b = sum(rewards) / len(rewards) if len(rewards) > 1 else baseline
+        out.append(torch.full((s.response_length,), float(s.reward) - b))
+    return out

@@ -195,6 +195,7 @@ class KuhnPoker:
 
     agents = PLAYERS
     action_tokens = ("0", "1")  # pass, bet: a response starting with "1" bets, anything else passes
+    max_seq_len = 16  # the longest transcript has 6 tokens
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
@@ -224,6 +225,12 @@ class KuhnPoker:
         v = payoff(state["cards"], state["history"])
         return {"player_1": v, "player_2": -v}
 
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
     def warmup_prompts(self, agent: str) -> list[str]:
         return [transcript(k) for k in INFOSETS[agent]]
 
@@ -238,7 +245,14 @@ class KuhnTracker:
     def __init__(self) -> None:
         self.average = {p: AveragePolicy(p) for p in PLAYERS}
 
-    def __call__(self, env: KuhnPoker, models: dict, tokenizer) -> dict[str, float]:
+    def state_dict(self) -> dict:
+        return {p: (a.bet, a.weight) for p, a in self.average.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for p, (bet, weight) in state.items():
+            self.average[p] = AveragePolicy(p, dict(bet), dict(weight))
+
+    def __call__(self, env: KuhnPoker, models: dict, tokenizer, rollouts=None) -> dict[str, float]:
         current = {
             p: dict(zip(INFOSETS[p], read_policy(models[p], tokenizer, [transcript(k) for k in INFOSETS[p]],
                                                 env.action_tokens)))

@@ -1,20 +1,23 @@
 """`miles train` with a `co_evolution:` environment: several policies trained together.
 
 Each agent has its own weights (a copy of --model), optimizer, rollout engine and checkpoint
-(runs/.../agents/<name>/). One step:
+(runs/.../agents/<name>/), built by the same runtime as a single-policy run
+(`miles.runtime.executors.build_executor`): in this process, or training ranks and engine
+actors on Ray when --actor-num-gpus-per-node / --rollout-num-gpus ask for more than one. One step:
 
 1. choose who trains: every agent (simultaneous) or the active one, switched every
    --co-evolution-interval steps (alternating);
 2. for each training agent, choose its opponents: the current ones, or (--population-size K)
-   for each opponent one of its last K snapshots at random (fictitious self-play);
-3. play --episodes-per-step episodes (`miles.multiagent.episodes.play`): each agent's tokens
-   are loss-masked into its own samples;
-4. advantage = reward - that agent's moving-average baseline (per role); train; push the new
+   for each opponent one of its last K snapshots at random (fictitious self-play), loaded
+   into that opponent's own engine for the episodes and replaced by its current weights after;
+3. play --episodes-per-step episodes (`miles.multiagent.episodes.play`, or the environment's own
+   `play`): each agent's tokens are loss-masked into its own samples;
+4. advantage = reward - that agent's own baseline (`role_advantages`); train; push the new
    weights to its engine. Frozen agents' weights do not change (bitwise).
 
-Metrics per step: each agent's reward and whether it trained, and what the environment reports
-(Kuhn Poker: exact exploitability of the current and of the average policies, the game value
-and every information set's P(bet)).
+Metrics per step: each agent's reward, win rate (against each population member by age) and
+whether it trained, and what the environment reports (Kuhn Poker: exact exploitability of the
+current and of the average policies; proposer/solver: held-out accuracy and the learnable share).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import random
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,70 +38,115 @@ from miles.errors import ConfigError
 from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.multiagent.actions import warm_up_actions
+from miles.multiagent.checkpoint import resume_agents, save_agents
 from miles.multiagent.episodes import Environment, play, role_advantages
-from miles.rollout import Engine, SamplingParams
+from miles.rollout import SamplingParams
+from miles.runtime.executors import Executor, build_executor
+from miles.runtime.loop import due
 from miles.runtime.metrics import MetricsLogger, run_dir_for
-from miles.train.policy_trainer import PolicyTrainer
+from miles.runtime.train_state import latest_checkpoint
 
 log = logging.getLogger("miles")
 
+BUILT_IN = {
+    "kuhn_poker": "miles.multiagent.kuhn:KuhnPoker",
+    "kuhn": "miles.multiagent.kuhn:KuhnPoker",
+    "proposer_solver": "miles.multiagent.proposer_solver:ProposerSolver",
+}
+
 
 def build_env(path: str, seed: int) -> Environment:
-    if path in ("kuhn_poker", "kuhn"):
-        from miles.multiagent.kuhn import KuhnPoker
-
-        return KuhnPoker(seed)
     from miles.rewards.functions import load_function
 
-    cls = load_function(path, "--env-path")
+    cls = load_function(BUILT_IN.get(path, path), "--env-path")
     env = cls(seed=seed) if isinstance(cls, type) else cls
-    missing = [m for m in ("agents", "reset", "current", "observe", "act", "rewards") if not hasattr(env, m)]
-    if missing:
+    turn_based = ("agents", "reset", "current", "observe", "act", "rewards")
+    missing = [m for m in turn_based if not hasattr(env, m)]
+    if missing and not (hasattr(env, "agents") and hasattr(env, "play")):
         raise ConfigError(
-            f"--env-path {path}: the environment lacks {', '.join(missing)} (see miles/multiagent/episodes.py)"
+            f"--env-path {path}: the environment lacks {', '.join(missing)} (or `agents` and its own "
+            "`play`; see miles/multiagent/episodes.py)"
         )
     return env
 
 
-def agent_config(cfg: RunConfig) -> RunConfig:
-    """The trainer settings of one agent: one optimizer step per RL step over its episodes."""
+def agent_config(cfg: RunConfig, index: int, requests: int) -> RunConfig:
+    """Agent `index`'s settings: one optimizer step per RL step over its samples (at most one
+    step's `requests`), its own sampling seed, an engine batch that holds those requests."""
     out = copy.deepcopy(cfg)
-    n = cfg.co_evolution.episodes_per_step
-    out.train.global_batch_size = n
+    out.train.global_batch_size = requests
     out.train.num_steps_per_rollout = 1
-    out.train.micro_batch_size = min(cfg.train.micro_batch_size, n)
+    out.train.micro_batch_size = min(cfg.train.micro_batch_size, requests)
     out.train.share_prompts = False
+    out.rollout.rollout_seed = cfg.rollout.rollout_seed + index
+    out.rollout.rollout_max_batch_size = max(8, min(requests, cfg.rollout.rollout_max_batch_size))
     return out
 
 
 @dataclass
 class Agent:
     name: str
-    policy: torch.nn.Module
-    trainer: PolicyTrainer
-    engine: Engine
-    snapshot_engine: Engine | None  # plays an opponent's past snapshot (with a population)
-    snapshots: deque = field(default_factory=deque)
+    executor: Executor  # its trainer, engine(s) and the weight sync between them
+    snapshots: deque = field(default_factory=deque)  # (step, HF-named weights), oldest first
     baseline: float = 0.0
+    version: int = 0
 
-    def sync(self, version: int) -> None:
-        self.engine.update_weights(self.policy.state_dict().items(), version=version)
+    @property
+    def rollout(self):
+        return self.executor.rollout
 
-    def snapshot(self) -> None:
-        self.snapshots.append({k: v.detach().clone() for k, v in self.policy.state_dict().items()})
+    def policy(self) -> torch.nn.Module:
+        """The driver's copy of the policy, up to date (Ray: fetched from training rank 0)."""
+        self.executor.trainer.sync_policy()
+        return self.executor.trainer.policy
+
+    def push(self, version: int) -> None:
+        self.executor.sync.push(version)
+        self.version = version
+
+    def snapshot(self, step: int) -> None:
+        weights = self.executor.trainer.hf_weights()
+        self.snapshots.append((step, {k: v.detach().clone() for k, v in weights.items()}))
 
 
-def opponent_engines(agents: dict[str, Agent], learner: str, rng: random.Random) -> tuple[dict, dict]:
-    """Engines for an episode batch of `learner` against a snapshot of each other agent drawn
-    uniformly from its population; returns the engines and the drawn snapshot indices."""
-    engines, picks = {learner: agents[learner].engine}, {}
-    for name, agent in agents.items():
-        if name == learner:
-            continue
-        picks[name] = rng.randrange(len(agent.snapshots))
-        agent.snapshot_engine.update_weights(agent.snapshots[picks[name]].items())
-        engines[name] = agent.snapshot_engine
-    return engines, picks
+def make_agent(
+    name: str, index: int, policy, tokenizer, cfg: RunConfig, max_seq_len: int, requests: int
+) -> Agent:
+    acfg = agent_config(cfg, index, requests)
+    return Agent(
+        name,
+        build_executor(acfg, policy, tokenizer, max_seq_len),
+        deque(maxlen=cfg.co_evolution.population_size or 1),
+    )
+
+
+@contextmanager
+def against_snapshots(agents: dict[str, Agent], learner: str, rng: random.Random):
+    """While open, each opponent of `learner` plays one of its snapshots drawn uniformly, in its
+    own engine; yields {opponent: index drawn}. On exit the opponents' engines get their current
+    weights back."""
+    picks = {}
+    try:
+        for name, agent in agents.items():
+            if name != learner:
+                picks[name] = rng.randrange(len(agent.snapshots))
+                step, weights = agent.snapshots[picks[name]]
+                agent.rollout.update_weights(weights.items(), version=step)
+        yield picks
+    finally:
+        for name in picks:
+            agents[name].push(agents[name].version)
+
+
+def win_rates(samples, learner: str, picks: dict[str, int], agents: dict[str, Agent]) -> dict[str, float]:
+    """The share of episodes `learner` won (reward > 0), also under the name of each opponent's
+    drawn snapshot by its age (0: the newest)."""
+    rate = _mean([float(s.reward > 0) for s in samples])
+    out = {f"win_rate_{learner}": rate}
+    for name, pick in picks.items():
+        age = len(agents[name].snapshots) - 1 - pick
+        out[f"win_rate_{learner}_vs_{name}_age{age}"] = rate
+    return out
 
 
 def train_agents(cfg: RunConfig) -> Path:
@@ -105,21 +154,22 @@ def train_agents(cfg: RunConfig) -> Path:
     env = build_env(co.env_path, cfg.train.seed)
     run_dir = run_dir_for(cfg)
     metrics = MetricsLogger(run_dir, cfg.logging.use_tensorboard)
-    metrics.archive_previous()
     rng = random.Random(cfg.train.seed)
-    acfg = agent_config(cfg)
+    resuming = bool(cfg.checkpoint.load) and latest_checkpoint(cfg.checkpoint.load) is not None
     params = SamplingParams(
         temperature=cfg.rollout.rollout_temperature,
         max_new_tokens=getattr(env, "max_new_tokens", 1),
         ignore_eos=True,
     )
-    agents: dict[str, Agent] = {}
     base, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)  # a shared base, copied per agent
-    engine_size = max(8, co.episodes_per_step)
+    max_seq_len = min(registry.context_length(cfg.model.model), getattr(env, "max_seq_len", 512))
+    requests = co.episodes_per_step * getattr(env, "requests_per_episode", 1)
+    agents: dict[str, Agent] = {}
     for i, name in enumerate(env.agents):
         torch.manual_seed(cfg.train.seed + i)
         policy = copy.deepcopy(base)
-        if co.action_warmup_steps and hasattr(env, "action_tokens") and hasattr(env, "warmup_prompts"):
+        warm_up = co.action_warmup_steps and hasattr(env, "action_tokens") and hasattr(env, "warmup_prompts")
+        if warm_up and not resuming:  # a resumed run loads its trained weights instead
             outside = warm_up_actions(
                 policy, tokenizer, env.warmup_prompts(name), env.action_tokens, co.action_warmup_steps, 1e-3
             )
@@ -129,81 +179,96 @@ def train_agents(cfg: RunConfig) -> Path:
                 outside,
                 env.action_tokens,
             )
-        snapshot_engine = None
+        agents[name] = make_agent(name, i, policy, tokenizer, cfg, max_seq_len, requests)
         if co.population_size is not None:
-            snapshot_engine = Engine(
-                copy.deepcopy(policy), tokenizer, engine_size, seed=cfg.rollout.rollout_seed + 100 + i
-            )
-        agents[name] = Agent(
-            name,
-            policy,
-            PolicyTrainer(policy, acfg),
-            Engine(copy.deepcopy(policy), tokenizer, engine_size, seed=cfg.rollout.rollout_seed + i),
-            snapshot_engine,
-            deque(maxlen=co.population_size or 1),
-        )
-        if co.population_size is not None:
-            agents[name].snapshot()
+            agents[name].snapshot(0)
     del base
     names = list(env.agents)
+    episodes = getattr(env, "play", None) or (lambda *a, **k: play(env, *a, **k))
     tracker = env.tracker() if hasattr(env, "tracker") else None
     steps = cfg.rollout.num_rollout
-    for step in range(steps):
-        t0 = time.perf_counter()
-        if co.strategy == "alternating":
-            training = [names[(step // co.co_evolution_interval) % len(names)]]
-        else:
-            training = names
-        record: dict[str, float] = {}
-        batches: dict[str, list] = {}
-        if co.population_size is None:  # everyone plays the current opponents: one set of episodes
-            _, samples = play(
-                env, {n: agents[n].engine for n in names}, tokenizer, co.episodes_per_step, params
+    start = resume_agents(cfg, agents, rng, env, tracker, metrics)
+    try:
+        for step in range(start, steps):
+            t0 = time.perf_counter()
+            if co.strategy == "alternating":
+                training = [names[(step // co.co_evolution_interval) % len(names)]]
+            else:
+                training = names
+            record: dict[str, float] = {}
+            batches: dict[str, list] = {}
+            if co.population_size is None:  # everyone plays the current opponents: one set of episodes
+                engines = {n: agents[n].rollout for n in names}
+                states, samples = episodes(
+                    engines, tokenizer, co.episodes_per_step, params, seed=step_seed(cfg, step)
+                )
+                batches = {n: samples[n] for n in training}
+                for n in names:
+                    record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
+                    record[f"win_rate_{n}"] = _mean([float(s.reward > 0) for s in samples[n]])
+            else:
+                for n in training:
+                    with against_snapshots(agents, n, rng) as picks:
+                        engines = {m: agents[m].rollout for m in names}
+                        seed = step_seed(cfg, step, names.index(n))
+                        states, samples = episodes(
+                            engines, tokenizer, co.episodes_per_step, params, seed=seed
+                        )
+                    record.update({f"opponent_snapshot_{n}_{o}": pick for o, pick in picks.items()})
+                    record.update(win_rates(samples[n], n, picks, agents))
+                    batches[n] = samples[n]
+                    record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
+            if hasattr(env, "episode_metrics"):
+                record.update(env.episode_metrics(states))
+            rollout_time = time.perf_counter() - t0
+            for n in names:
+                agent = agents[n]
+                record[f"agent_trained_{n}"] = float(n in batches)
+                if n not in batches or not batches[n]:
+                    continue
+                world = agent.executor.trainer.world
+                batch = batches[n][: len(batches[n]) - len(batches[n]) % world]  # whole shards per rank
+                rewards = [float(s.reward) for s in batch]
+                out = agent.executor.trainer.train(batch, role_advantages(batch, agent.baseline))
+                decay = co.role_baseline_decay
+                agent.baseline = decay * agent.baseline + (1 - decay) * _mean(rewards)
+                record[f"agent_baseline_{n}"] = agent.baseline
+                record[f"agent_pg_loss_{n}"] = out.get("pg_loss", 0.0)
+                record[f"agent_response_len_{n}"] = _mean([s.response_length for s in batch])
+                record[f"agent_train_ranks_{n}"] = world
+                agent.push(step + 1)
+            if co.population_size is not None and (step + 1) % co.co_evolution_interval == 0:
+                for n in names:
+                    agents[n].snapshot(step + 1)
+            if tracker is not None:
+                policies = {n: agents[n].policy() for n in names}
+                record.update(tracker(env, policies, tokenizer, {n: agents[n].rollout for n in names}))
+            record["reward_mean"] = _mean(
+                [record[f"agent_reward_{n}"] for n in names if f"agent_reward_{n}" in record]
             )
-            batches = {n: samples[n] for n in training}
-            for n in names:
-                record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
-        else:
-            for n in training:
-                engines, picks = opponent_engines(agents, n, rng)
-                record.update({f"opponent_snapshot_{n}_{o}": pick for o, pick in picks.items()})
-                _, samples = play(env, engines, tokenizer, co.episodes_per_step, params)
-                batches[n] = samples[n]
-                record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
-        rollout_time = time.perf_counter() - t0
+            record["rollout_time"] = rollout_time
+            record["step_time"] = time.perf_counter() - t0
+            metrics.log(step, record)
+            if step % 10 == 0 or step == steps - 1:
+                shown = {k: round(v, 4) for k, v in record.items() if k.startswith(SHOWN)}
+                log.info("step %d/%d %s", step + 1, steps, shown)
+            if cfg.checkpoint.save and (step == steps - 1 or due(cfg.checkpoint.save_interval, step)):
+                save_agents(cfg.checkpoint.save, step, agents, tokenizer, rng, env, tracker)
         for n in names:
-            agent = agents[n]
-            record[f"agent_trained_{n}"] = float(n in batches)
-            if n not in batches or not batches[n]:
-                continue
-            rewards = [float(s.reward) for s in batches[n]]
-            out = agent.trainer.train(batches[n], role_advantages(batches[n], agent.baseline))
-            decay = co.role_baseline_decay
-            agent.baseline = decay * agent.baseline + (1 - decay) * _mean(rewards)
-            record[f"agent_baseline_{n}"] = agent.baseline
-            record[f"agent_pg_loss_{n}"] = out.get("pg_loss", 0.0)
-            record[f"agent_response_len_{n}"] = _mean([s.response_length for s in batches[n]])
-            agent.sync(step + 1)
-        if co.population_size is not None and (step + 1) % co.co_evolution_interval == 0:
-            for n in names:
-                agents[n].snapshot()
-        if tracker is not None:
-            record.update(tracker(env, {n: agents[n].policy for n in names}, tokenizer))
-        record["reward_mean"] = _mean(
-            [record[f"agent_reward_{n}"] for n in names if f"agent_reward_{n}" in record]
-        )
-        record["rollout_time"] = rollout_time
-        record["step_time"] = time.perf_counter() - t0
-        metrics.log(step, record)
-        if step % 10 == 0 or step == steps - 1:
-            shown = {
-                k: round(v, 4) for k, v in record.items() if k.startswith(("exploitability", "agent_reward_"))
-            }
-            log.info("step %d/%d %s", step + 1, steps, shown)
-    for n in names:
-        save_model(agents[n].policy, run_dir / "agents" / n, tokenizer)
-    metrics.close()
+            save_model(agents[n].policy(), run_dir / "agents" / n, tokenizer)
+    finally:
+        for agent in agents.values():
+            agent.rollout.shutdown()
+        metrics.close()
     return run_dir
+
+
+def step_seed(cfg: RunConfig, step: int, learner: int = -1) -> int:
+    """The sampling seed of one step's episodes (per learner with a population)."""
+    return hash((cfg.rollout.rollout_seed, step, learner))
+
+
+SHOWN = ("exploitability", "agent_reward_", "solver_eval_accuracy", "learnable_share")
 
 
 def _mean(values) -> float:

@@ -1,7 +1,8 @@
 """`miles serve`: the rollout engine behind HTTP, with an SGLang-compatible subset.
 
 Endpoints: POST /generate, GET /health, POST /flush_cache, GET /get_model_info,
-POST /update_weights_from_disk. One engine thread runs continuous batching over every request
+GET /get_server_info, POST /update_weights_from_disk, POST /get_weights_by_name (what
+`--rollout-backend sglang` uses, so the whole SGLang path runs against `miles serve` on CPU). One engine thread runs continuous batching over every request
 in flight, so concurrent HTTP clients (agentic, multi-turn rollouts) share batches. A malformed
 request gets a 4xx with a JSON {"error": ...}; it never reaches the engine.
 """
@@ -242,6 +243,8 @@ class EngineServer:
                             "weight_version": server.engine.weight_version,
                         },
                     )
+                elif self.path == "/get_server_info":
+                    self._send(200, server.server_info())
                 else:
                     self._send(404, {"error": f"no such endpoint: GET {self.path}"})
 
@@ -263,6 +266,8 @@ class EngineServer:
                         )
                     elif self.path == "/update_weights_from_disk":
                         self._send(200, server.update_from_disk(body))
+                    elif self.path == "/get_weights_by_name":
+                        self._send(200, server.weights_by_name(body))
                     else:
                         self._send(404, {"error": f"no such endpoint: POST {self.path}"})
                 except BadRequest as e:
@@ -303,14 +308,40 @@ class EngineServer:
         ]
         return out if batch else out[0]
 
+    def server_info(self) -> dict:
+        from miles import __version__
+
+        return {
+            "version": f"miles-serve {__version__}",
+            "model_path": self.model_path,
+            "weight_version": self.engine.weight_version,
+            "max_total_num_tokens": self.engine.max_seq_len * self.engine.slots,
+        }
+
+    def weights_by_name(self, body: Any) -> list:
+        """SGLang's /get_weights_by_name: a parameter's first `truncate_size` values, flattened."""
+        from miles.models.checkpoint import hf_state_dict
+
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise BadRequest("get_weights_by_name needs {'name': '<parameter>', 'truncate_size': N}")
+        size = body.get("truncate_size", 100)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise BadRequest("truncate_size must be a positive integer")
+        state = hf_state_dict(self.engine.model)
+        if body["name"] not in state:
+            raise BadRequest(f"no parameter {body['name']!r}; e.g. {sorted(state)[:3]}")
+        return state[body["name"]].detach().float().reshape(-1)[:size].tolist()
+
     def update_from_disk(self, body: Any) -> dict:
         from miles.models.checkpoint import hf_state_dict, load_model
 
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
             raise BadRequest("update_weights_from_disk needs {'model_path': '<checkpoint dir>'}")
         version = body.get("weight_version")
+        if isinstance(version, str) and version.lstrip("-").isdigit():  # SGLang sends it as a string
+            version = int(version)
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise BadRequest("weight_version must be an integer")
+            raise BadRequest("weight_version must be an integer (or a string of one)")
         new = load_model(body["model_path"])
         state = hf_state_dict(new)
         bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]

@@ -54,6 +54,8 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         from miles.train.expert_parallel import check_experts
 
         check_experts(policy, cfg.train.expert_model_parallel_size)  # before any rank starts
+    if cfg.sglang.rollout_backend == "sglang":
+        return build_sglang_executor(cfg, policy, tokenizer)
     if on_ray(cfg):
         return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device
@@ -71,6 +73,47 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
     )
     trainer = PolicyTrainer(prepare_train_model(policy, cfg), cfg)
     return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))
+
+
+def build_sglang_executor(cfg: RunConfig, policy, tokenizer) -> Executor:
+    """Training here (or on Ray ranks), rollout on the SGLang servers of --sglang-url; the
+    servers start from the trainer's weights (version 0), pushed from disk."""
+    from miles.rollout.sglang_client import SGLangRollout
+    from miles.runtime.metrics import run_dir_for
+    from miles.sync.strategy import CheckedSync, DiskSync
+
+    sg = cfg.sglang
+    if on_ray(cfg):
+        from miles.runtime.placement import create_placement, plan_layout
+        from miles.runtime.ray_train import RayTrainer
+
+        ranks = cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node
+        placement = create_placement(plan_layout(ranks, 0, False), cfg.model.device)
+        trainer = RayTrainer(
+            cfg, policy, ranks, [placement.options(b) for b in placement.layout.train_bundles]
+        )
+    else:
+        policy.to(resolve_device(cfg.model.device))
+        trainer = PolicyTrainer(prepare_train_model(policy, cfg), cfg)
+    rollout = SGLangRollout(
+        [u.strip() for u in sg.sglang_url.split(",") if u.strip()],
+        tokenizer,
+        policy.config,
+        sg.sglang_weight_dir or run_dir_for(cfg) / "sglang_weights",
+        max_concurrency=sg.sglang_max_concurrency,
+        retries=sg.sglang_retries,
+        timeout=sg.sglang_request_timeout,
+    )
+    if on_ray(cfg):
+        rollout.placement = placement  # freed by its shutdown (the training ranks die with it)
+    sync = DiskSync(trainer, rollout)
+    if cfg.sync.check_weight_update_equal:
+        sync = CheckedSync(sync, trainer, rollout)
+    sync.push(0)
+    log.info(
+        "rollout on SGLang servers %s (%s)", rollout.node_ids(), ", ".join(rollout.server_versions.values())
+    )
+    return Executor(trainer, rollout, sync)
 
 
 def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, devices: int) -> Executor:

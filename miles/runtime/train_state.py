@@ -42,10 +42,15 @@ def save_checkpoint(save_dir: str | Path, rollout_id: int, model, tokenizer, sta
     with atomic_directory(final) as tmp:
         save_model(model, tmp / "model", tokenizer=tokenizer)
         torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "trainer_state.pt")
+    mark_latest(save_dir, rollout_id)
+    return final
+
+
+def mark_latest(save_dir: Path, rollout_id: int) -> None:
+    """Point SAVE/latest at iter_<rollout_id> (atomically: a reader sees the old or the new)."""
     latest_tmp = save_dir / ".latest.tmp"
     latest_tmp.write_text(str(rollout_id))
     os.replace(latest_tmp, save_dir / "latest")
-    return final
 
 
 def clear_stale(save_dir: str | Path) -> None:

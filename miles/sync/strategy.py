@@ -97,6 +97,23 @@ class InProcessBuckets:
             )
 
 
+@dataclass
+class DiskSync:
+    """--rollout-backend sglang: the trainer's weights as a checkpoint on disk, which every
+    server loads (`SGLangRollout.update_weights`)."""
+
+    trainer: object
+    rollout: object  # SGLangRollout
+    name: str = "disk (update_weights_from_disk)"
+
+    def push(self, version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        named = list(self.trainer.hf_weights().items())
+        self.rollout.update_weights(named, version=version)
+        payload = sum(t.numel() * t.element_size() for _, t in named)
+        return SyncStats(len(named), 1, payload, payload, time.perf_counter() - t0)  # one file
+
+
 class SharedMemory:
     """Zero-copy: the engines map the trainer's own memory. The trainer shares its weights once
     (the optimizer then updates them in place, where the engines read them)."""

@@ -1,0 +1,369 @@
+"""Rollout on external SGLang servers (or `miles serve`), through SGLang's native HTTP API.
+
+`--rollout-backend sglang --sglang-url URL[,URL...]` sends every request to one of the servers
+(round robin; a router's URL works as one server) as `POST /generate` with `input_ids`,
+`sampling_params` (the request's own `sampling_seed`, so a fixed-seed run samples the same
+tokens as the in-process engine), `return_logprob` and, for MoE models, `return_routed_experts`
+(R3). At most --sglang-max-concurrency requests are in flight. A connection error or a 5xx
+answer is retried on the next server with exponential backoff, up to --sglang-retries times
+per server; a server that keeps failing is skipped until a request finds every other server
+down too. A 4xx answer, or a response that lacks what miles needs (token ids, one log-prob per
+token, routed experts of the right shape), stops the run with the server and the field named.
+
+Weights go to the servers from disk: the trainer's tensors are written as a checkpoint
+(safetensors + config.json) under --sglang-weight-dir, then `POST /update_weights_from_disk`
+with `model_path` and `weight_version`; every server must answer success. The servers must see
+that directory (one host, or a shared filesystem). `states()` reads the weights back through
+`POST /get_weights_by_name` for --check-weight-update-equal.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import itertools
+import json
+import logging
+import math
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles.data.sample import Sample, Status
+from miles.errors import MilesError
+from miles.rollout.engine import Request
+
+log = logging.getLogger("miles")
+
+MIN_SGLANG = (
+    0,
+    4,
+    6,
+)  # /generate with input_ids + sampling_seed, update_weights_from_disk, get_weights_by_name
+FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+RETRY_STATUS = {500, 502, 503, 504}
+
+
+class ServerError(MilesError):
+    """A server answered in a way miles cannot use (or none answered)."""
+
+
+class Unreachable(Exception):
+    """A connection-level failure: the request may be redone on another server."""
+
+
+@dataclass
+class Server:
+    url: str
+    failures: int = 0  # consecutive connection failures
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g or 0) for g in m.groups()) if m else None
+
+
+class SGLangRollout:
+    """A `Rollout` (see `miles.runtime.protocols`) over SGLang-compatible HTTP servers."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tokenizer,
+        model_config,
+        weight_dir: str | Path,
+        max_concurrency: int = 32,
+        retries: int = 3,
+        timeout: float = 600.0,
+        backoff: float = 0.2,
+    ) -> None:
+        if not urls:
+            raise ServerError("--sglang-url: no server given")
+        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.tokenizer, self.model_config = tokenizer, model_config
+        self.weight_dir = Path(weight_dir)
+        self.max_concurrency, self.retries, self.timeout, self.backoff = (
+            max_concurrency,
+            retries,
+            timeout,
+            backoff,
+        )
+        self.moe = getattr(model_config, "num_experts", 0) or 0
+        self.restarts = 0  # requests redone on another server
+        self.placement = None  # the training ranks' Ray placement, when they run on Ray
+        self._version = 0
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+        self.server_versions = {str(s): self._check_version(s) for s in self.servers}
+
+    # -- HTTP -------------------------------------------------------------------------------
+    def _call(self, server: Server, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        """One request; `Unreachable` for what another server could answer, `ServerError` else."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            server.url + path, data=data, method="GET" if body is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode(errors="replace")
+            if e.code in RETRY_STATUS:
+                raise Unreachable(f"{server.url}{path}: HTTP {e.code} {detail}") from e
+            raise ServerError(f"{server.url}{path}: HTTP {e.code}: {detail}") from e
+        except (
+            urllib.error.URLError,
+            ConnectionError,
+            TimeoutError,
+            http.client.HTTPException,
+            OSError,
+        ) as e:
+            raise Unreachable(f"{server.url}{path}: {type(e).__name__}: {e}") from e
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ServerError(f"{server.url}{path}: the response is not JSON ({e}): {raw[:200]!r}") from e
+
+    def _check_version(self, server: Server) -> str:
+        """The server's version from /get_server_info; an SGLang older than MIN_SGLANG is refused."""
+        info = self._with_retries(lambda s: self._call(s, "/get_server_info", timeout=30), [server])
+        version = str(info.get("version", "")) if isinstance(info, dict) else ""
+        if version.startswith("miles"):
+            return version
+        found = parse_version(version)
+        if found is None or found < MIN_SGLANG:
+            need = ".".join(map(str, MIN_SGLANG))
+            raise ServerError(
+                f"--sglang-url {server.url}: server version {version or 'unknown'!r}; miles needs SGLang >= {need} "
+                "(/generate with input_ids and sampling_seed, /update_weights_from_disk, /get_weights_by_name)"
+            )
+        return version
+
+    def _with_retries(self, call, servers: list[Server] | None = None):
+        """`call(server)` on the servers in turn until one answers; backoff doubles per round."""
+        pool = servers or self.servers
+        errors = []
+        for attempt in range(self.retries * len(pool)):
+            live = [s for s in pool if s.failures < self.retries] or pool  # all failing: try them all again
+            with self._lock:
+                server = live[next(self._turn) % len(live)]
+            try:
+                out = call(server)
+                server.failures = 0
+                return out
+            except Unreachable as e:
+                server.failures += 1
+                errors.append(str(e))
+                if attempt + 1 < self.retries * len(pool):
+                    with self._lock:
+                        self.restarts += 1
+                    time.sleep(self.backoff * 2 ** (attempt // len(pool)))
+        raise ServerError(f"no server answered after {len(errors)} tries; last: {errors[-1]}")
+
+    # -- rollout ----------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[Request]) -> list[Sample]:
+        requests = list(requests)
+        if not requests:
+            return []
+        with ThreadPoolExecutor(min(self.max_concurrency, len(requests))) as pool:
+            return list(pool.map(self._generate_one, requests))
+
+    def _body(self, request: Request) -> dict:
+        p = request.params
+        params: dict[str, Any] = {
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
+            "ignore_eos": p.ignore_eos, "skip_special_tokens": False,
+        }  # fmt: skip
+        if p.stop_token_ids:
+            params["stop_token_ids"] = list(p.stop_token_ids)
+        if p.stop:
+            params["stop"] = list(p.stop)
+        if p.seed is not None:
+            params["sampling_seed"] = int(p.seed)
+        body = {"input_ids": list(request.prompt_ids), "sampling_params": params, "return_logprob": True}
+        if self.moe:
+            body["return_routed_experts"] = True
+        return body
+
+    def _generate_one(self, request: Request) -> Sample:
+        body = self._body(request)
+        return self._with_retries(lambda s: self.to_sample(request, self._call(s, "/generate", body), s.url))
+
+    def to_sample(self, request: Request, out: Any, url: str) -> Sample:
+        """The server's answer as a `Sample`, every field miles relies on checked."""
+        where = f"{url}/generate"
+        if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+            raise ServerError(f"{where}: the response has no 'meta_info' object: {str(out)[:200]}")
+        meta = out["meta_info"]
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list):
+            raise ServerError(
+                f"{where}: meta_info.output_token_logprobs is missing (is return_logprob supported?)"
+            )
+        ids = out.get("output_ids")
+        if ids is None:  # older servers: the ids are the logprob entries' second items
+            ids = [e[1] for e in entries if isinstance(e, list) and len(e) >= 2]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ServerError(f"{where}: output_ids is not a list of token ids")
+        if len(entries) != len(ids):
+            raise ServerError(
+                f"{where}: {len(entries)} log-probs for {len(ids)} output tokens (a partial response?)"
+            )
+        logprobs = []
+        for i, (entry, token) in enumerate(zip(entries, ids)):
+            if not (isinstance(entry, list) and len(entry) >= 2 and entry[1] == token):
+                raise ServerError(
+                    f"{where}: output_token_logprobs[{i}] = {entry!r} does not match token {token}"
+                )
+            lp = entry[0]
+            if not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-6:
+                raise ServerError(
+                    f"{where}: output_token_logprobs[{i}] has log-prob {lp!r} (want a finite value <= 0)"
+                )
+            logprobs.append(float(lp))
+        reason = meta.get("finish_reason") or {"type": "abort"}
+        if isinstance(reason, str):
+            reason = {"type": reason}
+        status = FINISH.get(reason.get("type"))
+        if status is None:
+            raise ServerError(f"{where}: unknown finish_reason {reason!r}")
+        version = _int_version(meta.get("weight_version"), self._version)
+        sample = request.sample if request.sample is not None else Sample()
+        sample.tokens = list(request.prompt_ids) + ids
+        sample.response_length = len(ids)
+        sample.rollout_log_probs = logprobs
+        sample.loss_mask = [1] * len(ids)
+        sample.status = status
+        sample.weight_versions = [version]
+        sample.token_versions = [version] * len(ids)
+        sample.metadata["request_id"] = meta.get("id")
+        sample.metadata["finish_reason"] = reason
+        sample.metadata["server"] = url
+        sample.response = (
+            self.tokenizer.decode(ids, skip_special_tokens=True)
+            if self.tokenizer is not None
+            else out.get("text", "")
+        )
+        if self.moe:
+            sample.rollout_routed_experts = self._routed(
+                meta.get("routed_experts"), len(sample.tokens) - 1, where
+            )
+        return sample
+
+    def _routed(self, raw: Any, rows: int, where: str) -> np.ndarray:
+        """SGLang's base64 int32 bytes (or miles serve's nested lists) as (tokens - 1, layers, k)."""
+        layers, k = self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok
+        if raw is None:
+            raise ServerError(
+                f"{where}: no meta_info.routed_experts (start SGLang with --enable-return-routed-experts)"
+            )
+        try:
+            flat = (
+                np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+                if isinstance(raw, str)
+                else np.asarray(raw, dtype=np.int32).reshape(-1)
+            )
+        except (ValueError, TypeError) as e:
+            raise ServerError(f"{where}: meta_info.routed_experts cannot be read: {e}") from e
+        if flat.size != rows * layers * k:
+            raise ServerError(
+                f"{where}: meta_info.routed_experts has {flat.size} ids; want {rows} tokens x {layers} layers x {k}"
+            )
+        return flat.reshape(rows, layers, k)
+
+    # -- weights ----------------------------------------------------------------------------
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Write the tensors as a checkpoint under --sglang-weight-dir and have every server load it."""
+        from safetensors.torch import save_file
+
+        from miles.models.checkpoint import atomic_directory
+
+        version = self._version + 1 if version is None else version
+        path = self.weight_dir / "current"
+        with atomic_directory(path) as tmp:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in named}
+            save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(self.model_config.to_hf_dict(), indent=2))
+        body = {"model_path": str(path.resolve()), "weight_version": str(version)}
+        for server in self.servers:
+            out = self._with_retries(lambda s: self._call(s, "/update_weights_from_disk", body), [server])
+            if not (isinstance(out, dict) and out.get("success")):
+                raise ServerError(
+                    f"{server.url}/update_weights_from_disk: the server did not load {path}: {out}"
+                )
+        self._version = version
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        """Each server's weights, read back by name (the names of the last update)."""
+        from safetensors import safe_open
+
+        file = self.weight_dir / "current" / "model.safetensors"
+        if not file.exists():
+            return []
+        with safe_open(file, "pt") as f:
+            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+        out = []
+        for server in self.servers:
+            state = {}
+            for name, shape in shapes.items():
+                body = {"name": name, "truncate_size": int(np.prod(shape))}
+                values = self._with_retries(
+                    lambda s, b=body: self._call(s, "/get_weights_by_name", b), [server]
+                )
+                state[name] = torch.tensor(values, dtype=torch.float32).reshape(shape)
+            out.append(state)
+        return out
+
+    # -- the rest of the Rollout interface ----------------------------------------------------
+    def release_memory(self) -> int:
+        return 0  # the servers manage their own memory
+
+    def node_ids(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def set_precision(self, mode: str) -> None:
+        log.info(
+            "--rollout-backend sglang: the servers keep their own precision (miles' trainer is now in %s)",
+            mode,
+        )
+
+    def peak_memory(self) -> list[dict[str, int]]:
+        return []
+
+    def update_draft(self, state: dict[str, torch.Tensor]) -> None:
+        raise ServerError("--rollout-backend sglang: speculative decoding is configured on the SGLang server")
+
+    def take_spec_stats(self):
+        return None
+
+    def shutdown(self) -> None:
+        """The servers are not ours to stop; a Ray placement of the training ranks is."""
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
+
+
+def _int_version(raw: Any, default: int) -> int:
+    """SGLang reports weight_version as a string ("default" until the first update)."""
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return default

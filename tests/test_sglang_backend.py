@@ -1,0 +1,186 @@
+"""--rollout-backend sglang against real `miles serve` processes: the same run as the in-process
+engine, a server killed mid-rollout (its requests redone elsewhere, nothing lost), and malformed
+or partial answers named clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from miles.errors import MilesError
+from miles.models import registry
+from miles.rollout import Request, SamplingParams
+from miles.rollout.sglang_client import ServerError, SGLangRollout
+from tests.conftest import ROOT, comparable, small_run_args
+
+
+def start_server(seed: int = 0) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "serve", "--model", "tiny", "--port", "0", "--seed", str(seed),
+         "--max-batch-size", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if m := re.search(r"on (http://\S+)", line):
+            return proc, m.group(1)
+    raise RuntimeError(f"miles serve did not start (exit {proc.wait()})")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    procs = [start_server() for _ in range(2)]
+    yield [url for _, url in procs]
+    for proc, _ in procs:
+        proc.kill()
+        proc.wait()
+
+
+def small_run(out, *extra) -> list[str]:
+    return [*small_run_args(out, 2), "--eval-interval", "1", *extra]
+
+
+def test_a_run_on_miles_serve_processes_equals_the_in_process_run(servers, tmp_path):
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+
+    train(load_config(small_run(tmp_path / "local")))
+    urls = ",".join(servers)
+    train(load_config(small_run(tmp_path / "sglang", "--rollout-backend", "sglang", "--sglang-url", urls,
+                                "--check-weight-update-equal")))  # fmt: skip
+    local, remote = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "sglang")
+    assert len(local) == len(remote) == 3  # the base's evaluation, then two steps
+    for a, b in zip(comparable(local), comparable(remote)):
+        for key, value in a.items():
+            if key.startswith("sync_") or key == "engine_restarts":
+                continue  # how the weights travel, not what the run computed
+            assert key in b and b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert remote[1]["reward_mean"] == local[1]["reward_mean"] and "eval_accuracy" in remote[0]
+    assert (tmp_path / "sglang" / "sglang_weights" / "current" / "model.safetensors").exists()
+    for url in servers:  # both servers hold the last step's weights
+        info = json.loads(urllib.request.urlopen(url + "/get_server_info").read())
+        assert info["weight_version"] == 2
+
+
+def test_a_server_killed_mid_rollout_loses_nothing(servers):
+    """Requests in flight on a server that dies are redone on another: the same samples (the
+    same seeds) as with no failure."""
+    policy, tokenizer = registry.load("tiny")
+    victim, url = start_server()
+    requests = lambda: [  # noqa: E731
+        Request(
+            tokenizer.encode(f"Calculate {i} + 3."), SamplingParams(temperature=1.0, max_new_tokens=8, seed=i)
+        )
+        for i in range(24)
+    ]
+    calm = SGLangRollout(servers, tokenizer, policy.config, "/tmp/unused", max_concurrency=4)
+    want = calm.generate(requests())
+    rollout = SGLangRollout(
+        [url, *servers], tokenizer, policy.config, "/tmp/unused", max_concurrency=4, backoff=0.01
+    )
+    calls, original = [0], rollout._call
+
+    def call(server, path, body=None, timeout=None):
+        if path == "/generate":
+            calls[0] += 1
+            if calls[0] == 6:
+                os.kill(victim.pid, signal.SIGKILL)  # mid-rollout: some requests done, some in flight
+        return original(server, path, body, timeout)
+
+    rollout._call = call
+    got = rollout.generate(requests())
+    victim.wait()
+    assert rollout.restarts > 0
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    assert {s.metadata["server"] for s in got[12:]} <= set(servers)
+    for a, b in zip(got, want):
+        assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5)
+        assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
+
+
+class Fake(BaseHTTPRequestHandler):
+    """A server that answers /get_server_info with `info` and /generate with `answer`."""
+
+    info: dict = {"version": "0.5.2"}
+    answer: bytes = b"{}"
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, raw: bytes):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self):
+        self._send(json.dumps(type(self).info).encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(type(self).answer)
+
+
+@pytest.fixture
+def fake():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("F", (Fake,), {}))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+
+
+GOOD = {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+        "finish_reason": {"type": "length"}, "routed_experts": None}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (b"<html>", "is not JSON"),
+        (json.dumps({"text": "hi"}).encode(), "no 'meta_info'"),
+        (json.dumps({**GOOD, "output_ids": [5]}).encode(), "2 log-probs for 1 output tokens"),
+        (json.dumps({**GOOD, "output_ids": [5, 7]}).encode(), "does not match token 7"),
+        (json.dumps(GOOD).encode(), "no meta_info.routed_experts"),
+        (json.dumps({**GOOD, "meta_info": {**GOOD["meta_info"], "routed_experts": [1, 2, 3]}}).encode(),
+         "has 3 ids; want 4 tokens x 4 layers x 2"),
+    ],
+)  # fmt: skip
+def test_malformed_or_partial_answers_are_named(fake, answer, message):
+    policy, tokenizer = registry.load("tiny")
+    fake.RequestHandlerClass.answer = answer
+    url = f"http://127.0.0.1:{fake.server_address[1]}"
+    rollout = SGLangRollout([url], tokenizer, policy.config, "/tmp/unused")
+    with pytest.raises(ServerError, match=re.escape(message)) as e:
+        rollout.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=2))])
+    assert url in str(e.value)
+
+
+def test_an_old_sglang_is_refused_with_the_version_needed(fake):
+    policy, tokenizer = registry.load("tiny")
+    fake.RequestHandlerClass.info = {"version": "0.3.6"}
+    with pytest.raises(ServerError, match=r"server version '0.3.6'; miles needs SGLang >= 0.4.6"):
+        SGLangRollout([f"http://127.0.0.1:{fake.server_address[1]}"], tokenizer, policy.config, "/tmp/unused")
+    with pytest.raises(ServerError, match="no server answered"):  # nothing listens there
+        SGLangRollout(["http://127.0.0.1:9"], tokenizer, policy.config, "/tmp/unused", retries=1)
+
+
+def test_backend_flags_are_checked():
+    from miles.config import load_config
+
+    with pytest.raises(MilesError, match="--rollout-backend sglang needs --sglang-url"):
+        load_config(["--rollout-backend", "sglang"])
+    with pytest.raises(MilesError, match="add --rollout-backend sglang"):
+        load_config(["--sglang-url", "http://h:1"])
+    with pytest.raises(MilesError, match="not an http"):
+        load_config(["--rollout-backend", "sglang", "--sglang-url", "h:1"])
+    with pytest.raises(MilesError, match="does not combine with --partial-rollout"):
+        load_config(["--rollout-backend", "sglang", "--sglang-url", "http://h:1", "--partial-rollout"])
