@@ -71,7 +71,9 @@ def test_a_run_on_miles_serve_processes_equals_the_in_process_run(servers, tmp_p
         assert info["weight_version"] == 2
 
 
-def test_a_server_killed_mid_rollout_loses_nothing(servers):
+def test_a_server_killed_mid_rollout_loses_nothing(servers, tmp_path):
+    from miles.models.checkpoint import hf_state_dict
+
     """Requests in flight on a server that dies are redone on another: the same samples (the
     same seeds) as with no failure."""
     policy, tokenizer = registry.load("tiny")
@@ -82,11 +84,12 @@ def test_a_server_killed_mid_rollout_loses_nothing(servers):
         )
         for i in range(24)
     ]
-    calm = SGLangRollout(servers, tokenizer, policy.config, "/tmp/unused", max_concurrency=4)
-    want = calm.generate(requests())
     rollout = SGLangRollout(
-        [url, *servers], tokenizer, policy.config, "/tmp/unused", max_concurrency=4, backoff=0.01
+        [url, *servers], tokenizer, policy.config, tmp_path, max_concurrency=4, backoff=0.01
     )
+    rollout.update_weights(hf_state_dict(policy).items(), version=1)  # every server: the same weights
+    calm = SGLangRollout(servers, tokenizer, policy.config, tmp_path, max_concurrency=4)
+    want = calm.generate(requests())
     calls, original = [0], rollout._call
 
     def call(server, path, body=None, timeout=None):
@@ -184,3 +187,23 @@ def test_backend_flags_are_checked():
         load_config(["--rollout-backend", "sglang", "--sglang-url", "h:1"])
     with pytest.raises(MilesError, match="does not combine with --partial-rollout"):
         load_config(["--rollout-backend", "sglang", "--sglang-url", "http://h:1", "--partial-rollout"])
+
+
+def test_weights_broadcast_over_the_weight_update_group(servers):
+    """--sglang-weight-transport distributed: both servers join SGLang's weight-update group and
+    hold exactly the broadcast weights, under the version sent."""
+    import torch
+
+    policy, tokenizer = registry.load("tiny")
+    rollout = SGLangRollout(servers, tokenizer, policy.config, "/tmp/unused", transport="distributed")
+    from miles.models.checkpoint import hf_state_dict
+
+    torch.manual_seed(0)
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in hf_state_dict(policy).items()}
+    for version in (7, 8):  # the group is formed once, then reused
+        rollout.update_weights(new.items(), version=version)
+        for state in rollout.states():
+            assert all(torch.equal(state[k], v) for k, v in new.items())
+        new = {k: v * 1.001 for k, v in new.items()}
+    for url in servers:
+        assert json.loads(urllib.request.urlopen(url + "/get_server_info").read())["weight_version"] == 8

@@ -616,6 +616,17 @@ class SGLangSection:
         bounds="[1, inf)",
     )
     sglang_request_timeout: float = option(600.0, "seconds to wait for one response", bounds="(0, inf)")
+    sglang_weight_transport: str = option(
+        "disk",
+        "how weights reach the servers: disk (a checkpoint in --sglang-weight-dir, then /update_weights_from_disk) "
+        "or distributed (SGLang's weight-update group: NCCL from a GPU trainer, gloo from a CPU one)",
+        choices=("disk", "distributed"),
+    )
+    sglang_master_address: str | None = option(
+        None,
+        "with --sglang-weight-transport distributed: this host's address as the servers reach it (default: the "
+        "address it reaches the first server from)",
+    )
     sglang_weight_dir: str | None = option(
         None,
         "where the trainer writes the weights each server loads (default RUN_DIR/sglang_weights); the servers must "

@@ -1,7 +1,8 @@
 """`miles serve`: the rollout engine behind HTTP, with an SGLang-compatible subset.
 
 Endpoints: POST /generate, GET /health, POST /flush_cache, GET /get_model_info,
-GET /get_server_info, POST /update_weights_from_disk, POST /get_weights_by_name (what
+GET /get_server_info, POST /update_weights_from_disk, POST /get_weights_by_name,
+POST /init_weights_update_group, POST /update_weights_from_distributed (what
 `--rollout-backend sglang` uses, so the whole SGLang path runs against `miles serve` on CPU). One engine thread runs continuous batching over every request
 in flight, so concurrent HTTP clients (agentic, multi-turn rollouts) share batches. A malformed
 request gets a 4xx with a JSON {"error": ...}; it never reaches the engine.
@@ -136,6 +137,7 @@ class EngineServer:
         self, engine: Engine, host: str = "127.0.0.1", port: int = 30000, model_path: str = ""
     ) -> None:
         self.engine, self.model_path = engine, model_path
+        self.weight_groups: dict[str, Any] = {}  # SGLang-style weight-update groups joined, by name
         self._inbox: queue.Queue[tuple[Request, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
         self._stop = threading.Event()
@@ -268,6 +270,10 @@ class EngineServer:
                         self._send(200, server.update_from_disk(body))
                     elif self.path == "/get_weights_by_name":
                         self._send(200, server.weights_by_name(body))
+                    elif self.path == "/init_weights_update_group":
+                        self._send(200, server.init_weights_group(body))
+                    elif self.path == "/update_weights_from_distributed":
+                        self._send(200, server.update_from_distributed(body))
                     else:
                         self._send(404, {"error": f"no such endpoint: POST {self.path}"})
                 except BadRequest as e:
@@ -316,6 +322,7 @@ class EngineServer:
             "model_path": self.model_path,
             "weight_version": self.engine.weight_version,
             "max_total_num_tokens": self.engine.max_seq_len * self.engine.slots,
+            "tp_size": 1,
         }
 
     def weights_by_name(self, body: Any) -> list:
@@ -331,6 +338,56 @@ class EngineServer:
         if body["name"] not in state:
             raise BadRequest(f"no parameter {body['name']!r}; e.g. {sorted(state)[:3]}")
         return state[body["name"]].detach().float().reshape(-1)[:size].tolist()
+
+    def init_weights_group(self, body: Any) -> dict:
+        """SGLang's /init_weights_update_group: join the trainer's group as rank `rank_offset`
+        (blocks until every member has joined)."""
+        from miles.sync.sglang_group import GROUP_NAME, init_custom_process_group
+
+        need = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int}
+        if not isinstance(body, dict) or any(not isinstance(body.get(k), t) for k, t in need.items()):
+            raise BadRequest(
+                f"init_weights_update_group needs {sorted(need)} ({', '.join(t.__name__ for t in need.values())})"
+            )
+        backend = body.get("backend", "gloo")
+        if backend == "nccl" and not torch.cuda.is_available():
+            backend = "gloo"  # a CPU server joins over gloo
+        name = body.get("group_name", GROUP_NAME)
+        init = f"tcp://{body['master_address']}:{body['master_port']}"
+        self.weight_groups[name] = init_custom_process_group(
+            backend, init, body["world_size"], body["rank_offset"], name
+        )
+        return {
+            "success": True,
+            "message": f"joined {name} as rank {body['rank_offset']} of {body['world_size']}",
+        }
+
+    def update_from_distributed(self, body: Any) -> dict:
+        """SGLang's /update_weights_from_distributed: receive each named tensor from rank 0 of
+        the group, in order, then swap them in between decoding steps."""
+        from miles.sync.sglang_group import GROUP_NAME, receive_tensors
+
+        if not isinstance(body, dict) or not all(
+            isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")
+        ):
+            raise BadRequest("update_weights_from_distributed needs lists 'names', 'dtypes' and 'shapes'")
+        name = body.get("group_name", GROUP_NAME)
+        if name not in self.weight_groups:
+            raise BadRequest(f"no weight-update group {name!r}: POST /init_weights_update_group first")
+        version = body.get("weight_version")
+        version = (
+            int(version) if isinstance(version, (int, str)) and str(version).lstrip("-").isdigit() else None
+        )
+        named = receive_tensors(self.weight_groups[name], body["names"], body["dtypes"], body["shapes"])
+        bad = [n for n, t in named if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise BadRequest(f"tensor {bad[0]!r} holds NaN or inf; the served weights are unchanged")
+        self.engine.update_weights(named, version=version)
+        return {
+            "success": True,
+            "message": f"{len(named)} tensors",
+            "weight_version": self.engine.weight_version,
+        }
 
     def update_from_disk(self, body: Any) -> dict:
         from miles.models.checkpoint import hf_state_dict, load_model

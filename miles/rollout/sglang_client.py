@@ -10,10 +10,14 @@ per server; a server that keeps failing is skipped until a request finds every o
 down too. A 4xx answer, or a response that lacks what miles needs (token ids, one log-prob per
 token, routed experts of the right shape), stops the run with the server and the field named.
 
-Weights go to the servers from disk: the trainer's tensors are written as a checkpoint
-(safetensors + config.json) under --sglang-weight-dir, then `POST /update_weights_from_disk`
-with `model_path` and `weight_version`; every server must answer success. The servers must see
-that directory (one host, or a shared filesystem). `states()` reads the weights back through
+Weights go to the servers from disk (--sglang-weight-transport disk): the trainer's tensors are
+written as a checkpoint (safetensors + config.json) under --sglang-weight-dir, then
+`POST /update_weights_from_disk` with `model_path` and `weight_version`; the servers must see
+that directory (one host, or a shared filesystem). Or over SGLang's weight-update group
+(--sglang-weight-transport distributed): `POST /init_weights_update_group` once (this process
+rank 0, each server's ranks after it), then per update `POST /update_weights_from_distributed`
+with the names, dtypes and shapes while this process broadcasts the tensors
+(`miles.sync.sglang_group`). Either way every server must answer success. `states()` reads the weights back through
 `POST /get_weights_by_name` for --check-weight-update-equal.
 """
 
@@ -89,6 +93,8 @@ class SGLangRollout:
         retries: int = 3,
         timeout: float = 600.0,
         backoff: float = 0.2,
+        transport: str = "disk",
+        master_address: str | None = None,
     ) -> None:
         if not urls:
             raise ServerError("--sglang-url: no server given")
@@ -107,7 +113,11 @@ class SGLangRollout:
         self._version = 0
         self._turn = itertools.count()
         self._lock = threading.Lock()
-        self.server_versions = {str(s): self._check_version(s) for s in self.servers}
+        self.transport, self.master_address = transport, master_address
+        self.group = None  # the weight-update group, joined at the first distributed update
+        self._shapes: dict[str, list[int]] = {}  # name -> shape of the last update's tensors
+        self.server_info = {str(s): self._server_info(s) for s in self.servers}
+        self.server_versions = {url: str(info.get("version")) for url, info in self.server_info.items()}
 
     # -- HTTP -------------------------------------------------------------------------------
     def _call(self, server: Server, path: str, body: Any = None, timeout: float | None = None) -> Any:
@@ -138,12 +148,13 @@ class SGLangRollout:
         except json.JSONDecodeError as e:
             raise ServerError(f"{server.url}{path}: the response is not JSON ({e}): {raw[:200]!r}") from e
 
-    def _check_version(self, server: Server) -> str:
-        """The server's version from /get_server_info; an SGLang older than MIN_SGLANG is refused."""
+    def _server_info(self, server: Server) -> dict:
+        """The server's /get_server_info; an SGLang older than MIN_SGLANG is refused."""
         info = self._with_retries(lambda s: self._call(s, "/get_server_info", timeout=30), [server])
-        version = str(info.get("version", "")) if isinstance(info, dict) else ""
+        info = info if isinstance(info, dict) else {}
+        version = str(info.get("version", ""))
         if version.startswith("miles"):
-            return version
+            return info
         found = parse_version(version)
         if found is None or found < MIN_SGLANG:
             need = ".".join(map(str, MIN_SGLANG))
@@ -151,7 +162,7 @@ class SGLangRollout:
                 f"--sglang-url {server.url}: server version {version or 'unknown'!r}; miles needs SGLang >= {need} "
                 "(/generate with input_ids and sampling_seed, /update_weights_from_disk, /get_weights_by_name)"
             )
-        return version
+        return info
 
     def _with_retries(self, call, servers: list[Server] | None = None):
         """`call(server)` on the servers in turn until one answers; backoff doubles per round."""
@@ -291,12 +302,22 @@ class SGLangRollout:
 
     # -- weights ----------------------------------------------------------------------------
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Every server takes these weights: from disk, or broadcast over the weight-update group."""
+        version = self._version + 1 if version is None else version
+        named = list(named)
+        if self.transport == "distributed":
+            self._update_distributed(named, version)
+        else:
+            self._update_from_disk(named, version)
+        self._version = version
+        self._shapes = {name: list(t.shape) for name, t in named}
+
+    def _update_from_disk(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write the tensors as a checkpoint under --sglang-weight-dir and have every server load it."""
         from safetensors.torch import save_file
 
         from miles.models.checkpoint import atomic_directory
 
-        version = self._version + 1 if version is None else version
         path = self.weight_dir / "current"
         with atomic_directory(path) as tmp:
             tensors = {k: v.detach().to("cpu").contiguous() for k, v in named}
@@ -309,22 +330,78 @@ class SGLangRollout:
                 raise ServerError(
                     f"{server.url}/update_weights_from_disk: the server did not load {path}: {out}"
                 )
-        self._version = version
+
+    def _on_every_server(self, path: str, bodies: list[dict], while_waiting=None) -> None:
+        """POST bodies[i] to server i, all at once (each call blocks until the group acts), running
+        `while_waiting()` meanwhile; every server must answer success."""
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            futures = [pool.submit(self._call, s, path, b) for s, b in zip(self.servers, bodies)]
+            if while_waiting is not None:
+                while_waiting()
+            for server, fut in zip(self.servers, futures):
+                try:
+                    out = fut.result()
+                except Unreachable as e:
+                    raise ServerError(f"{e} (a server left the weight-update group)") from e
+                if not (isinstance(out, dict) and out.get("success")):
+                    raise ServerError(f"{server.url}{path}: {out}")
+
+    def _join_group(self, backend: str) -> None:
+        """Form SGLang's weight-update group: this process rank 0, each server's TP ranks after."""
+        import socket
+        from urllib.parse import urlparse
+
+        from miles.runtime.placement import free_port
+        from miles.sync.sglang_group import GROUP_NAME, init_custom_process_group
+
+        address = self.master_address
+        if address is None:  # the address this host reaches the first server from
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((urlparse(self.servers[0].url).hostname, 9))
+                address = sock.getsockname()[0]
+        port = free_port()
+        sizes = [int(self.server_info[str(s)].get("tp_size", 1)) for s in self.servers]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        world = 1 + sum(sizes)
+        bodies = [
+            {"master_address": address, "master_port": port, "rank_offset": o, "world_size": world,
+             "group_name": GROUP_NAME, "backend": backend}
+            for o in offsets
+        ]  # fmt: skip
+        groups = []
+        init = f"tcp://{address}:{port}"
+        self._on_every_server(
+            "/init_weights_update_group",
+            bodies,
+            lambda: groups.append(init_custom_process_group(backend, init, world, 0, GROUP_NAME)),
+        )
+        self.group = groups[0]
+
+    def _update_distributed(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        from miles.sync.sglang_group import GROUP_NAME, broadcast_tensors
+
+        backend = "nccl" if named and named[0][1].is_cuda else "gloo"
+        if self.group is None:
+            self._join_group(backend)
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": GROUP_NAME, "weight_version": str(version), "flush_cache": True,
+        }  # fmt: skip
+        self._on_every_server(
+            "/update_weights_from_distributed",
+            [body] * len(self.servers),
+            lambda: broadcast_tensors(self.group, (t for _, t in named)),
+        )
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """Each server's weights, read back by name (the names of the last update)."""
-        from safetensors import safe_open
-
-        file = self.weight_dir / "current" / "model.safetensors"
-        if not file.exists():
-            return []
-        with safe_open(file, "pt") as f:
-            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+        """Each server's weights, read back by name (the tensors of the last update)."""
         out = []
         for server in self.servers:
             state = {}
-            for name, shape in shapes.items():
-                body = {"name": name, "truncate_size": int(np.prod(shape))}
+            for name, shape in self._shapes.items():
+                body = {"name": name, "truncate_size": max(1, int(np.prod(shape)))}
                 values = self._with_retries(
                     lambda s, b=body: self._call(s, "/get_weights_by_name", b), [server]
                 )

@@ -80,7 +80,7 @@ def build_sglang_executor(cfg: RunConfig, policy, tokenizer) -> Executor:
     servers start from the trainer's weights (version 0), pushed from disk."""
     from miles.rollout.sglang_client import SGLangRollout
     from miles.runtime.metrics import run_dir_for
-    from miles.sync.strategy import CheckedSync, DiskSync
+    from miles.sync.strategy import CheckedSync, ServerSync
 
     sg = cfg.sglang
     if on_ray(cfg):
@@ -103,10 +103,12 @@ def build_sglang_executor(cfg: RunConfig, policy, tokenizer) -> Executor:
         max_concurrency=sg.sglang_max_concurrency,
         retries=sg.sglang_retries,
         timeout=sg.sglang_request_timeout,
+        transport=sg.sglang_weight_transport,
+        master_address=sg.sglang_master_address,
     )
     if on_ray(cfg):
         rollout.placement = placement  # freed by its shutdown (the training ranks die with it)
-    sync = DiskSync(trainer, rollout)
+    sync = ServerSync(trainer, rollout)
     if cfg.sync.check_weight_update_equal:
         sync = CheckedSync(sync, trainer, rollout)
     sync.push(0)

@@ -98,20 +98,22 @@ class InProcessBuckets:
 
 
 @dataclass
-class DiskSync:
-    """--rollout-backend sglang: the trainer's weights as a checkpoint on disk, which every
-    server loads (`SGLangRollout.update_weights`)."""
+class ServerSync:
+    """--rollout-backend sglang: the trainer's weights to every server by the rollout's transport
+    (a checkpoint on disk, or SGLang's weight-update group; `SGLangRollout.update_weights`)."""
 
     trainer: object
     rollout: object  # SGLangRollout
-    name: str = "disk (update_weights_from_disk)"
+    name: str = "SGLang servers"
 
     def push(self, version: int) -> SyncStats:
         t0 = time.perf_counter()
         named = list(self.trainer.hf_weights().items())
         self.rollout.update_weights(named, version=version)
         payload = sum(t.numel() * t.element_size() for _, t in named)
-        return SyncStats(len(named), 1, payload, payload, time.perf_counter() - t0)  # one file
+        return SyncStats(
+            len(named), 1, payload, payload * len(self.rollout.servers), time.perf_counter() - t0
+        )
 
 
 class SharedMemory:
