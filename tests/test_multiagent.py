@@ -108,7 +108,7 @@ def test_each_agent_is_trained_on_exactly_its_own_tokens(two_engines):
 
 def kuhn_args(tmp_path, *flags):
     return [
-        "--config", str(EXAMPLES / "kuhn_poker.yaml"), "--output-dir", str(tmp_path), "--episodes-per-step", "16",
+        "--config", str(EXAMPLES / "kuhn_poker_alternating.yaml"), "--output-dir", str(tmp_path), "--episodes-per-step", "16",
         "--action-warmup-steps", "0", "--no-progress", *flags,
     ]  # fmt: skip
 
@@ -207,6 +207,14 @@ def test_doctor_names_oscillation_and_dominance_and_its_remedies_load(tmp_path):
         load_config(["--config", str(tmp_path / "config.yaml"), *f])
     settled = [{"exploitability": 0.5 + 0.8 * (i // 10 % 2), "exploitability_avg": 0.1} for i in range(60)]
     assert write(settled) is None  # the average policy converged: fictitious play's promise
+    stuck = [
+        {"exploitability": 0.6667, "exploitability_avg": 0.667, "bet_player_1_J_": 1.0} for _ in range(60)
+    ]
+    found = write(stuck)  # always bet / always call: a corner no gradient leaves
+    assert (
+        found and "stopped exploring" in found.cause and "100% of P(bet) at 0 or 1" in found.evidence[0].note
+    )
+    assert ["--use-kl-loss", "--kl-loss-coef", "0.2"] in [r.flags for r in found.remedies]
     dominated = [{"agent_reward_player_1": 0.9, "agent_reward_player_2": -0.9} for _ in range(40)]
     found = write(dominated)
     assert found and "player_1 dominates" in found.cause and "player_2 is dominated" in found.cause
@@ -279,3 +287,23 @@ def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path):
         ours = registry.load(str(whole / "agents" / name))[0].state_dict()
         theirs = registry.load(str(part / "agents" / name))[0].state_dict()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_agent_overrides_set_one_agents_trainer_and_bad_ones_are_named(tmp_path):
+    from miles.config import load_config
+    from miles.errors import ConfigError
+    from miles.multiagent.loop import agent_config
+
+    over = '{"player_2": {"use_kl_loss": true, "kl_loss_coef": 0.5, "lr": 1e-5}}'
+    cfg = load_config(kuhn_args(tmp_path, "--agent-overrides", over))
+    one, two = agent_config(cfg, 0, 8, "player_1"), agent_config(cfg, 1, 8, "player_2")
+    assert (one.algo.use_kl_loss, one.train.lr) == (False, cfg.train.lr)
+    assert (two.algo.use_kl_loss, two.algo.kl_loss_coef, two.train.lr) == (True, 0.5, 1e-5)
+    with pytest.raises(ConfigError, match="unknown setting 'kl_coeff'"):
+        load_config(kuhn_args(tmp_path, "--agent-overrides", '{"player_2": {"kl_coeff": 1}}'))
+    with pytest.raises(ConfigError, match="shared by every agent"):
+        load_config(kuhn_args(tmp_path, "--agent-overrides", '{"player_2": {"num_rollout": 3}}'))
+    with pytest.raises(ConfigError, match=r"the agents of kuhn_poker are \['player_1', 'player_2'\]"):
+        from miles.runtime.loop import train
+
+        train(load_config(kuhn_args(tmp_path, "--agent-overrides", '{"dealer": {"lr": 1e-5}}')))

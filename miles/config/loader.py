@@ -380,6 +380,8 @@ def validate_co_evolution(cfg: RunConfig) -> None:
     """Co-evolution settings act only on a multi-agent environment; say so instead of ignoring them."""
     co = cfg.co_evolution
     if co.env_path:
+        for agent, settings in co.agent_overrides.items():  # the agent names are checked against the env
+            with_overrides(cfg, settings, f"--agent-overrides {agent}")
         return
     default = CoEvolutionSection()
     changed = [
@@ -392,6 +394,29 @@ def validate_co_evolution(cfg: RunConfig) -> None:
             f"{', '.join(changed)} set the co-evolution of several agents, but no environment is given; "
             "add --env-path kuhn_poker (or module:Class), e.g. co_evolution: {env_path: kuhn_poker} in the YAML"
         )
+
+
+PER_AGENT_SECTIONS = ("train", "algo")
+
+
+def with_overrides(cfg: RunConfig, settings: Any, where: str) -> RunConfig:
+    """A validated copy of `cfg` with `settings` ({field: value} of the train/algo sections) set."""
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{where}: expected a mapping of settings, got {settings!r}")
+    out = copy.deepcopy(cfg)
+    for key, value in settings.items():
+        name = ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        info = FIELDS.get(name)
+        if info is None:
+            raise ConfigError(f"{where}: unknown setting {key!r}{_suggest(name)}")
+        if info.section not in PER_AGENT_SECTIONS:
+            raise ConfigError(
+                f"{where}: {key} is a {info.section}: setting, shared by every agent; per agent: the "
+                f"{' and '.join(PER_AGENT_SECTIONS)} sections (lr, kl_loss_coef, entropy_coef, eps_clip, ...)"
+            )
+        setattr(getattr(out, info.section), info.name, _convert(info, value, where))
+    out.co_evolution.agent_overrides = {}  # the copy is one agent's: its overrides are applied
+    return validate(out)
 
 
 def validate_sglang(cfg: RunConfig) -> None:

@@ -567,6 +567,11 @@ class CoEvolutionSection:
         "(in zero-sum play the group mean of GRPO is ~0 and useless)",
         bounds="[0, 1)",
     )
+    agent_overrides: dict = option(
+        {},
+        "per-agent trainer settings, e.g. {proposer: {use_kl_loss: true, kl_loss_coef: 0.5}, solver: {lr: 1e-4}}: "
+        "keys of the train: and algo: sections (a YAML mapping, or JSON on the command line)",
+    )
     action_warmup_steps: int = option(
         50,
         "before RL, steps of supervised warm-up that spread each agent's first move over the environment's "

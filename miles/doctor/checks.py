@@ -30,6 +30,7 @@ THRESHOLDS = {
     "co_evolution_swing": 0.25,  # range of the last iterate's exploitability over the last half of the run
     "co_evolution_exploitability": 0.3,  # the average policy's exploitability at the end
     "co_evolution_dominance": 0.5,  # an agent's mean reward over the last quarter (|reward| per episode)
+    "co_evolution_stuck": 0.5,  # exploitability of a frozen last iterate (deterministic policies) at the end
     "sync_share": 0.25,  # median weight-sync seconds / step seconds
     "memory_growth_gb": 0.2,  # per-step peak memory growth over the run, in GB ...
     "memory_growth_frac": 0.1,  # ... and as a fraction of where it started
@@ -584,6 +585,20 @@ def co_evolution_instability(run: RunRecord, compare: RunRecord | None):
                 )
             )
             causes.append("each agent chases the other's latest policy, so neither settles")
+        elif swing < 0.01 and last[-1] > THRESHOLDS["co_evolution_stuck"]:
+            bets = [v for k, v in tail[-1].items() if k.startswith("bet_") and isinstance(v, (int, float))]
+            corner = sum(v < 0.01 or v > 0.99 for v in bets) / len(bets) if bets else None
+            note = (
+                f"constant over the last half; {corner:.0%} of P(bet) at 0 or 1"
+                if bets
+                else "constant over the last half"
+            )
+            evidence.append(
+                Evidence("exploitability", last[-1], None, THRESHOLDS["co_evolution_stuck"], note=note)
+            )
+            causes.append(
+                "the policies went deterministic and stopped exploring: no gradient leaves that corner"
+            )
     quarter = steps[-max(2, len(steps) // 4) :]
     for key in sorted({k for r in quarter for k in r if k.startswith("agent_reward_")}):
         values = [r[key] for r in quarter if isinstance(r.get(key), (int, float))]

@@ -70,10 +70,14 @@ def build_env(path: str, seed: int) -> Environment:
     return env
 
 
-def agent_config(cfg: RunConfig, index: int, requests: int) -> RunConfig:
-    """Agent `index`'s settings: one optimizer step per RL step over its samples (at most one
-    step's `requests`), its own sampling seed, an engine batch that holds those requests."""
-    out = copy.deepcopy(cfg)
+def agent_config(cfg: RunConfig, index: int, requests: int, name: str = "") -> RunConfig:
+    """Agent `index`'s settings: its --agent-overrides, one optimizer step per RL step over its
+    samples (at most one step's `requests`), its own sampling seed, an engine batch that holds
+    those requests."""
+    from miles.config.loader import with_overrides
+
+    overrides = cfg.co_evolution.agent_overrides.get(name)
+    out = with_overrides(cfg, overrides, f"--agent-overrides {name}") if overrides else copy.deepcopy(cfg)
     out.train.global_batch_size = requests
     out.train.num_steps_per_rollout = 1
     out.train.micro_batch_size = min(cfg.train.micro_batch_size, requests)
@@ -112,7 +116,7 @@ class Agent:
 def make_agent(
     name: str, index: int, policy, tokenizer, cfg: RunConfig, max_seq_len: int, requests: int
 ) -> Agent:
-    acfg = agent_config(cfg, index, requests)
+    acfg = agent_config(cfg, index, requests, name)
     return Agent(
         name,
         build_executor(acfg, policy, tokenizer, max_seq_len),
@@ -164,6 +168,11 @@ def train_agents(cfg: RunConfig) -> Path:
     base, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)  # a shared base, copied per agent
     max_seq_len = min(registry.context_length(cfg.model.model), getattr(env, "max_seq_len", 512))
     requests = co.episodes_per_step * getattr(env, "requests_per_episode", 1)
+    unknown = sorted(set(co.agent_overrides) - set(env.agents))
+    if unknown:
+        raise ConfigError(
+            f"--agent-overrides names {unknown}; the agents of {co.env_path} are {list(env.agents)}"
+        )
     agents: dict[str, Agent] = {}
     for i, name in enumerate(env.agents):
         torch.manual_seed(cfg.train.seed + i)
