@@ -43,9 +43,11 @@ def test_agents_on_ray_match_the_one_process_run(ray_six, tmp_path):
         theirs = registry.load(str(tmp_path / "ray" / "agents" / name))[0].state_dict()
         base = registry.load("tiny")[0].state_dict()
         for k in ours:
-            moved = (ours[k] - base[k]).abs().max()
+            diff = (ours[k] - theirs[k]).abs()
+            moved = float((ours[k] - base[k]).abs().max())
             # the routers' load-balancing loss is each rank's own (over its half of the batch): their
-            # weights differ by a fraction of the update; the rest by rounding that Adam scales up
-            atol = 0.25 * moved if k.endswith("mlp.gate.weight") else 5e-6
-            assert torch.allclose(ours[k], theirs[k], atol=float(atol), rtol=0), k
+            # weights differ by a fraction of their update, and the experts they feed slightly; the
+            # rest by rounding, which Adam turns into a full step only where a gradient is ~0
+            share = 0.25 if k.endswith("mlp.gate.weight") else 0.05
+            assert float(diff.max()) <= share * moved + 1e-7, k
         assert any(not torch.equal(ours[k], base[k]) for k in ours)  # the agent trained
