@@ -1,0 +1,91 @@
+"""Where one decode step of the rollout engine goes: per operator (torch.profiler, self CPU
+time) and Python/dispatch vs kernel time, for the tiny MoE at batch 64 and SmolLM2-135M at batch
+1 and 16. The first part of issue #18: measured before anything is changed.
+
+    .venv/bin/python benchmarks/decode_profile.py [--only tiny|smollm2] [--steps 32]
+
+"dispatch" is wall time minus the summed self time of the operators (Python, the engine's own
+bookkeeping, the module tree); "bound" is the time to read the weights and KV cache once at the
+memory bandwidth measured by a large copy in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from miles.models import registry
+from miles.rollout import Engine, Request, SamplingParams
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 256 MB tensor copy (read + write counted once each)."""
+    a = torch.empty(64 * 1024**2, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    return 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
+
+
+def decode_engine(spec: str, batch: int, prompt_len: int = 16):
+    model, tokenizer = registry.load(spec)
+    engine = Engine(model.eval(), tokenizer, batch, max_seq_len=prompt_len + 200, seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10_000, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(Request([(7 * i + j) % 200 + 10 for j in range(prompt_len)], params))
+    engine.step()  # prefill (admits everyone) and the first token
+    for _ in range(4):
+        engine.step()  # warm up
+    return engine, model
+
+
+def profile_decode(spec: str, batch: int, steps: int, bandwidth: float) -> None:
+    engine, model = decode_engine(spec, batch)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    events = prof.key_averages()
+    total_self = sum(e.self_cpu_time_total for e in events) / steps / 1e6
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    length = next(iter(engine._running.values())).length
+    kv = engine.cache.nbytes * length / engine.max_seq_len  # the filled part of every slot
+    bound = (weights + kv) / bandwidth
+    print(
+        f"\n{spec}, batch {batch}: {wall * 1e3:.2f} ms per decode step ({batch / wall:.0f} tokens/s); "
+        f"operators {total_self * 1e3:.2f} ms, dispatch/Python {max(wall - total_self, 0) * 1e3:.2f} ms; "
+        f"weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.1f} MB at {bandwidth / 1e9:.1f} GB/s = "
+        f"{bound * 1e3:.2f} ms bound ({bound / wall:.0%} of it reached)"
+    )
+    print(f"{'operator':40s} {'calls/step':>10s} {'self ms/step':>12s} {'share':>6s}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]:
+        ms = e.self_cpu_time_total / steps / 1e3
+        print(f"{e.key[:40]:40s} {e.count / steps:10.1f} {ms:12.3f} {ms / (wall * 1e3):6.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["tiny", "smollm2"])
+    parser.add_argument("--steps", type=int, default=32, help="decode steps measured per case")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+    cases = [("tiny", 64), ("smollm2", 1), ("smollm2", 16)]
+    for spec, batch in cases:
+        if args.only in (None, spec):
+            profile_decode(spec, batch, args.steps, bandwidth)
+
+
+if __name__ == "__main__":
+    main()
