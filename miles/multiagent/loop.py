@@ -27,6 +27,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,24 @@ def win_rates(samples, learner: str, picks: dict[str, int], agents: dict[str, Ag
     return out
 
 
+class Policies(Mapping):
+    """Each agent's up-to-date policy, by name, fetched on first access."""
+
+    def __init__(self, agents: dict[str, Agent]) -> None:
+        self.agents, self.cache = agents, {}
+
+    def __getitem__(self, name: str) -> torch.nn.Module:
+        if name not in self.cache:
+            self.cache[name] = self.agents[name].policy()
+        return self.cache[name]
+
+    def __iter__(self):
+        return iter(self.agents)
+
+    def __len__(self) -> int:
+        return len(self.agents)
+
+
 def train_agents(cfg: RunConfig) -> Path:
     co = cfg.co_evolution
     env = build_env(co.env_path, cfg.train.seed)
@@ -214,7 +233,7 @@ def train_agents(cfg: RunConfig) -> Path:
                 batches = {n: samples[n] for n in training}
                 for n in names:
                     record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
-                    record[f"win_rate_{n}"] = _mean([float(s.reward > 0) for s in samples[n]])
+                    record.update(win_rates(samples[n], n, {}, agents))
             else:
                 for n in training:
                     with against_snapshots(agents, n, rng) as picks:
@@ -250,7 +269,7 @@ def train_agents(cfg: RunConfig) -> Path:
                 for n in names:
                     agents[n].snapshot(step + 1)
             if tracker is not None:
-                policies = {n: agents[n].policy() for n in names}
+                policies = Policies(agents)  # fetched only if the tracker reads them (Ray: from rank 0)
                 record.update(tracker(env, policies, tokenizer, {n: agents[n].rollout for n in names}))
             record["reward_mean"] = _mean(
                 [record[f"agent_reward_{n}"] for n in names if f"agent_reward_{n}" in record]

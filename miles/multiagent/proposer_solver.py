@@ -151,7 +151,7 @@ class ProposerSolver:
         }
 
     def tracker(self) -> SolverEval:
-        return SolverEval(self)
+        return SolverEval(self.eval_interval)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng.getstate(), "references": list(self.references)}
@@ -165,8 +165,8 @@ class SolverEval:
     """Every `eval_interval` calls (and the first), the solver's greedy accuracy on held-out
     problems (`solver_eval_accuracy`: full marks only, as the default job counts)."""
 
-    def __init__(self, env: ProposerSolver) -> None:
-        self.env, self.calls = env, 0
+    def __init__(self, eval_interval: int) -> None:
+        self.eval_interval, self.calls = eval_interval, 0
 
     def state_dict(self) -> dict[str, int]:
         return {"calls": self.calls}
@@ -174,9 +174,9 @@ class SolverEval:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.calls = state["calls"]
 
-    def __call__(self, env, models, tokenizer, rollouts) -> dict[str, float]:
+    def __call__(self, env: ProposerSolver, models, tokenizer, rollouts) -> dict[str, float]:
         self.calls += 1
-        if (self.calls - 1) % self.env.eval_interval:
+        if (self.calls - 1) % self.eval_interval:
             return {}
         params = SamplingParams(temperature=0.0, max_new_tokens=env.max_new_tokens)
         requests = [
@@ -184,7 +184,7 @@ class SolverEval:
         ]
         outs = rollouts["solver"].generate(requests)
         right = [
-            float(self.env.scorer.score_answer(tokenizer.decode(o.response_tokens, skip_special_tokens=True).strip(),
+            float(env.scorer.score_answer(tokenizer.decode(o.response_tokens, skip_special_tokens=True).strip(),
                                                item.metadata["rg_entry"]) == 1.0)
             for o, item in zip(outs, env.eval_items)
         ]  # fmt: skip

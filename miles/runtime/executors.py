@@ -55,13 +55,13 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
 
         check_experts(policy, cfg.train.expert_model_parallel_size)  # before any rank starts
     if cfg.sglang.rollout_backend == "sglang":
-        return build_sglang_executor(cfg, policy, tokenizer)
+        return build_sglang_executor(cfg, policy, tokenizer, ranks)
     if on_ray(cfg):
         return build_ray_executor(cfg, policy, max_seq_len, ranks, devices)
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device
     if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts (one process only)
         replay = ReplayRollout(tokenizer)
-        return Executor(PolicyTrainer(prepare_train_model(policy, cfg), cfg), replay, NoSync(replay))
+        return Executor(local_trainer(cfg, policy), replay, NoSync(replay))
     slots = rollout_cfg.rollout_max_batch_size
     engine = Engine(
         prepare_rollout_model(copy.deepcopy(policy), cfg),
@@ -71,13 +71,19 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         seed=rollout_cfg.rollout_seed,
         speculator=speculator_for(cfg.speculative, policy, slots, max_seq_len, draft),
     )
-    trainer = PolicyTrainer(prepare_train_model(policy, cfg), cfg)
+    trainer = local_trainer(cfg, policy)
     return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))
 
 
-def build_sglang_executor(cfg: RunConfig, policy, tokenizer) -> Executor:
-    """Training here (or on Ray ranks), rollout on the SGLang servers of --sglang-url; the
-    servers start from the trainer's weights (version 0), pushed from disk."""
+def local_trainer(cfg: RunConfig, policy) -> PolicyTrainer:
+    """The trainer in this process, on --device (an in-process engine shares the device)."""
+    policy.to(resolve_device(cfg.model.device))
+    return PolicyTrainer(prepare_train_model(policy, cfg), cfg)
+
+
+def build_sglang_executor(cfg: RunConfig, policy, tokenizer, ranks: int) -> Executor:
+    """Training here (or on `ranks` Ray ranks), rollout on the SGLang servers of --sglang-url;
+    the servers start from the trainer's weights (version 0), by --sglang-weight-transport."""
     from miles.rollout.sglang_client import SGLangRollout
     from miles.runtime.metrics import run_dir_for
     from miles.sync.strategy import CheckedSync, ServerSync
@@ -87,14 +93,12 @@ def build_sglang_executor(cfg: RunConfig, policy, tokenizer) -> Executor:
         from miles.runtime.placement import create_placement, plan_layout
         from miles.runtime.ray_train import RayTrainer
 
-        ranks = cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node
         placement = create_placement(plan_layout(ranks, 0, False), cfg.model.device)
         trainer = RayTrainer(
             cfg, policy, ranks, [placement.options(b) for b in placement.layout.train_bundles]
         )
     else:
-        policy.to(resolve_device(cfg.model.device))
-        trainer = PolicyTrainer(prepare_train_model(policy, cfg), cfg)
+        trainer = local_trainer(cfg, policy)
     rollout = SGLangRollout(
         [u.strip() for u in sg.sglang_url.split(",") if u.strip()],
         tokenizer,

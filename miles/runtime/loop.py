@@ -195,7 +195,7 @@ def run_loop(run: Run) -> Path:
             state = {"actor": run.trainer.state_dict(), "data_position": feed.data_position}
             if run.critic is not None:
                 state["critic"] = run.critic.state_dict()
-            save_checkpoint(cfg.checkpoint.save, rollout_id, run.policy, run.tokenizer, state)
+            save_checkpoint(cfg.checkpoint.save, rollout_id, {"model": run.policy}, run.tokenizer, state)
     for done in (bar, profiler, feed, run.metrics):
         done.close()
     if cfg.checkpoint.save_hf:

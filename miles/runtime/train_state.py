@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(save_dir: str | Path, rollout_id: int, model, tokenizer, state: dict[str, Any]) -> Path:
-    """SAVE/iter_<rollout>, written whole or not at all; then `latest` names it (atomically)."""
+def save_checkpoint(
+    save_dir: str | Path, rollout_id: int, models: Mapping[str, Any], tokenizer, state: dict[str, Any]
+) -> Path:
+    """SAVE/iter_<rollout>, written whole or not at all: each model as an HF checkpoint in its
+    subdirectory ({"model": policy} for one policy, {"agents/a": ...} for several) and the
+    trainer state; then `latest` names it (atomically)."""
     save_dir = Path(save_dir)
     final = save_dir / f"iter_{rollout_id:07d}"
     with atomic_directory(final) as tmp:
-        save_model(model, tmp / "model", tokenizer=tokenizer)
+        for folder, model in models.items():
+            save_model(model, tmp / folder, tokenizer=tokenizer)
         torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "trainer_state.pt")
     mark_latest(save_dir, rollout_id)
     return final
@@ -51,6 +57,13 @@ def mark_latest(save_dir: Path, rollout_id: int) -> None:
     latest_tmp = save_dir / ".latest.tmp"
     latest_tmp.write_text(str(rollout_id))
     os.replace(latest_tmp, save_dir / "latest")
+
+
+def clear_stale_of(cfg) -> None:
+    """Temp dirs a killed run left in --save and --load."""
+    for d in (cfg.checkpoint.save, cfg.checkpoint.load):
+        if d:
+            clear_stale(d)
 
 
 def clear_stale(save_dir: str | Path) -> None:
@@ -70,22 +83,23 @@ def latest_checkpoint(load_dir: str | Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, model) -> dict[str, Any]:
-    """Load weights into `model` (checked tensor by tensor) and return the trainer state."""
+def load_checkpoint(path: Path, models: Mapping[str, Any]) -> dict[str, Any]:
+    """Load each model's weights from its subdirectory (checked tensor by tensor) and return the
+    trainer state."""
     try:
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         state["rng"], state["rollout_id"]  # noqa: B018 - a torn or foreign file fails here
     except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not ours
         raise CheckpointError(f"{path / 'trainer_state.pt'}: cannot be read ({type(e).__name__}: {e})") from e
-    files = tensor_files(path / "model")
-    state_dict = read_tensors(path / "model", files, files.keys())
-    _load_into(model, state_dict, str(path / "model"))
+    for folder, model in models.items():
+        files = tensor_files(path / folder)
+        _load_into(model, read_tensors(path / folder, files, files.keys()), str(path / folder))
     set_rng_state(state["rng"])
     return state
 
 
-def load_latest(load_dir: str | Path, model) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint of `load_dir` that loads (into `model`) and its trainer state; a
+def load_latest(load_dir: str | Path, models: Mapping[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of `load_dir` that loads (into `models`) and its trainer state; a
     corrupt newer one is named in a warning and the one before it is tried. None: no checkpoint."""
     latest = latest_checkpoint(load_dir)
     if latest is None:
@@ -101,7 +115,7 @@ def load_latest(load_dir: str | Path, model) -> tuple[Path, dict[str, Any]] | No
     errors = []
     for path in [latest, *older]:
         try:
-            return path, load_checkpoint(path, model)
+            return path, load_checkpoint(path, models)
         except CheckpointError as e:
             errors.append(str(e))
             log.warning("checkpoint %s cannot be loaded (%s); trying the one before it", path.name, e)
@@ -112,10 +126,8 @@ def resume(cfg, policy, trainer, sync, data, metrics, critic=None) -> int:
     """The first rollout to run: after the latest loadable checkpoint of --load (model, optimizer,
     data position and engine weights restored, later metrics dropped), else 0 (old metrics moved
     aside)."""
-    for d in (cfg.checkpoint.save, cfg.checkpoint.load):
-        if d:
-            clear_stale(d)
-    if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, policy)) is not None:
+    clear_stale_of(cfg)
+    if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, {"model": policy})) is not None:
         ckpt, state = loaded
         trainer.load_state_dict(state["actor"])
         if critic is not None:
