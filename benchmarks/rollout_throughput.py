@@ -1,16 +1,22 @@
-"""Rollout throughput: the miles engine against transformers' `generate`, same work, one run.
+"""Rollout throughput: the miles engine against transformers' `generate`, same work, one run,
+and against the machine's own limit for a decode step (`decode_bound.py`).
 
-    .venv/bin/python benchmarks/rollout_throughput.py            # tiny MoE @64 and SmolLM2 @16
+    .venv/bin/python benchmarks/rollout_throughput.py            # tiny MoE @64, SmolLM2 @16 and @1
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny
 
 Both sides get the same model weights, the same prompts and temperature-1 sampling, and
-produce the same number of tokens. Two workloads:
+produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the two
+sides alternating. Two workloads:
 
 - fixed: every prompt gets the same number of new tokens (EOS ignored): raw decoding speed.
 - mixed (RL-like): 4 batches' worth of prompts whose responses end at different lengths (drawn
   uniformly, as EOS does in RL). transformers runs them in batches of `batch`, each row stopped
   by a per-row stopping criterion at its length; miles gets them all at once with `batch` cache
   slots and refills a slot as soon as its request ends (continuous batching).
+
+"bound" is the decode-only throughput at the batch size that the tighter of two limits allows:
+every weight and the filled KV cache read once per step at the measured copy bandwidth, or the
+step's GEMMs alone. The measured throughput includes the prefill, so the fraction is conservative.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import statistics
 import tempfile
 import time
 
 import torch
 import transformers
+from decode_bound import copy_bandwidth, decode_bound
 
 from miles.models import registry, save_model
 from miles.rollout import Engine, Request, SamplingParams
@@ -33,12 +41,8 @@ def prompts_for(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(t).input_ids for t in texts]
 
 
-def hf_model_of(model, hf_path):
+def hf_model_of(model):
     """The same weights as a transformers model (saved and reloaded as an HF checkpoint)."""
-    if hf_path is not None:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(hf_path.parent), gguf_file=hf_path.name, dtype=torch.float32
-        )
     tmp = tempfile.mkdtemp()
     save_model(model, tmp)
     return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
@@ -87,30 +91,42 @@ def run_miles(model, tokenizer, prompts, lengths: list[int], batch: int) -> floa
     return sum(lengths) / elapsed
 
 
-def bench(name: str, spec: str, batch: int, new_tokens: int, repeats: int) -> None:
+def bench(
+    name: str, spec: str, batch: int, new_tokens: int, repeats: int, bandwidth: float, mixed=True
+) -> list:
     with contextlib.redirect_stderr(io.StringIO()):
         model, tokenizer = registry.load(spec)
-        hf_path = registry.model_path(spec) if spec == "smollm2" else None
-        hf = hf_model_of(model, hf_path).eval()
+        hf = hf_model_of(model).eval()
     model.eval()
     run_miles(model, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2)  # warm-up both
     run_hf(hf, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2)
     gen = torch.Generator().manual_seed(0)
-    workloads = {
-        "fixed": (prompts_for(tokenizer, batch), [new_tokens] * batch),
-        "mixed": (
+    workloads = {"fixed": (prompts_for(tokenizer, batch), [new_tokens] * batch)}
+    if mixed:
+        workloads["mixed"] = (
             prompts_for(tokenizer, 4 * batch),
             torch.randint(new_tokens // 8, 2 * new_tokens + 1, (4 * batch,), generator=gen).tolist(),
-        ),
-    }
+        )
+    rows = []
     for workload, (prompts, lengths) in workloads.items():
-        ours = max(run_miles(model, tokenizer, prompts, lengths, batch) for _ in range(repeats))
-        theirs = max(run_hf(hf, tokenizer, prompts, lengths, batch) for _ in range(repeats))
+        ours, theirs = [], []
+        for _ in range(repeats):
+            ours.append(run_miles(model, tokenizer, prompts, lengths, batch))
+            theirs.append(run_hf(hf, tokenizer, prompts, lengths, batch))
+        ours, theirs = statistics.median(ours), statistics.median(theirs)
+        context = round(statistics.mean(map(len, prompts)) + statistics.mean(lengths) / 2)
+        bound = decode_bound(model, batch, context, bandwidth)
+        bound_tps = batch / bound.tighter_s
+        bw_tps = batch / bound.bandwidth_s
         print(
             f"{name:<9} {workload:<5} batch {batch:>3}, {len(prompts):>3} prompts, {sum(lengths):>6} tokens: "
-            f"miles {ours:7.0f} tok/s | transformers generate {theirs:7.0f} tok/s | ratio {ours / theirs:5.2f}x",
+            f"miles {ours:7.0f} tok/s | transformers generate {theirs:7.0f} tok/s | ratio {ours / theirs:5.2f}x | "
+            f"bound {bound_tps:7.0f} tok/s ({bound.which}; bandwidth {bw_tps:.0f}) | "
+            f"{ours / bound_tps:4.0%} of the bound, {ours / bw_tps:4.0%} of bandwidth",
             flush=True,
         )
+        rows.append((name, workload, batch, ours, theirs))
+    return rows
 
 
 def main() -> None:
@@ -118,16 +134,27 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", choices=["tiny", "smollm2"], help="run one model only")
-    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per side")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
     print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     if args.only in (None, "tiny"):
-        bench("tiny MoE", "tiny", batch=64, new_tokens=64, repeats=args.repeats)
+        bench("tiny MoE", "tiny", batch=64, new_tokens=64, repeats=args.repeats, bandwidth=bandwidth)
     if args.only in (None, "smollm2"):
-        bench("SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats)
+        bench("SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth)
+        bench(
+            "SmolLM2",
+            "smollm2",
+            batch=1,
+            new_tokens=32,
+            repeats=args.repeats,
+            bandwidth=bandwidth,
+            mixed=False,
+        )
 
 
 if __name__ == "__main__":

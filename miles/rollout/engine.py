@@ -23,6 +23,7 @@ from tqdm import tqdm
 from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
+from miles.rollout.fast_decode import FastDecoder, unsupported
 from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
 from miles.rollout.weights import apply_named_tensors
@@ -66,12 +67,18 @@ class Engine:
         seed: int = 0,
         admit_batch: int | None = None,
         speculator: Speculator | None = None,
+        lean_decode: bool = True,
+        packed_gemm: bool = True,
     ) -> None:
         self.model = model.eval()
+        self.lean_decode = lean_decode  # the one-token step of miles.rollout.fast_decode, where it applies
+        self.packed_gemm = packed_gemm  # its full-batch projections on MKL-packed weights (CPU)
         self.speculator = speculator  # speculative decoding (miles/rollout/speculative.py), or None
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
         self.slots = max_batch_size
+        self._fast: FastDecoder | None = None
+        self._fast_for_model()
         context = model.config.max_position_embeddings  # never generate past what the model knows
         self.max_seq_len = min(max_seq_len or context, context)
         self.cache = model.new_cache(self.slots, self.max_seq_len)
@@ -97,6 +104,16 @@ class Engine:
         self._arrivals = 0  # requests added so far
         self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
         self._defer_refill = self._needs_refill = False  # see paused()
+
+    def _fast_for_model(self) -> None:
+        """(Re)build the lean decode step for the model as it is now, or fall back to its forward."""
+        reason = unsupported(self.model) if self.lean_decode else "off (lean_decode=False)"
+        if reason is not None:
+            self._fast, self.decode_path = None, f"general forward: {reason}"
+            return
+        self._fast = FastDecoder(self.model, self.slots if self.packed_gemm else None)
+        packed = self._fast.packed_rows
+        self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
 
     # ---- public API ----
 
@@ -237,6 +254,7 @@ class Engine:
 
         with self._turnstile, self._step_lock:
             set_mode(self.model, mode)
+            self._fast_for_model()
 
     def peak_memory(self) -> list[dict[str, int]]:
         """Its weights by dtype; its peak RSS is the driver's (`mem_driver_*`): it shares the process."""
@@ -281,6 +299,8 @@ class Engine:
         for tensors, version, _ in updates:
             apply_named_tensors(self.model, tensors)
             self.weight_version = version if version is not None else self.weight_version + 1
+        if self._fast is not None and not self._fast.intact():  # a parameter was replaced, not copied into
+            self._fast_for_model()
         if self._running:  # keys/values of running requests were computed by the old weights
             if self._defer_refill:
                 self._needs_refill = True
@@ -456,6 +476,8 @@ class Engine:
     @torch.no_grad()
     def _forward_slots(self, ids: torch.Tensor, positions: torch.Tensor):
         """The policy over cache slots [0, len(ids)): a view of the cache, which beats gathering rows."""
+        if self._fast is not None and ids.shape[1] == 1:
+            return self._fast(ids[:, 0].to(self.device), positions[:, 0].to(self.device), self.cache)
         return self.model(
             ids.to(self.device),
             positions=positions.to(self.device),

@@ -1,0 +1,106 @@
+"""Physical limits of one decode step on this machine, measured in the same run as the engine.
+
+- bandwidth bound: the bytes a step must read (every weight once, plus the filled KV cache) at
+  the copy bandwidth of a 256 MB tensor;
+- GEMM bound: the step's matrix multiplies alone (q/k/v and gate/up fused, experts on a balanced
+  share of the rows), run back to back over the model's own weights, so cache misses count.
+
+The tighter bound is the larger of the two times. Used by rollout_throughput.py and
+decode_profile.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from miles.models.transformer import MoE, Transformer
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 256 MB tensor copy (read + write counted once each), best of 5."""
+    a = torch.empty(64 * 1024**2, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of the distinct weight tensors (a tied lm_head counted once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def kv_bytes(model: Transformer, batch: int, context: int) -> int:
+    cfg = model.config
+    element = model.lm_head.weight.element_size()
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * context * cfg.head_dim * element
+
+
+def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, weight) of each GEMM of one decode step at `batch` rows."""
+    cfg, out = model.config, []
+    hidden = cfg.hidden_size
+
+    def rows(n: int, width: int) -> torch.Tensor:
+        return torch.randn(max(n, 1), width)
+
+    for layer in model.model.layers:
+        a = layer.self_attn
+        out.append((rows(batch, hidden), torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])))
+        out.append((rows(batch, a.o_proj.in_features), a.o_proj.weight))
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            out.append((rows(batch, hidden), mlp.gate.weight))
+            share = round(batch * mlp.top_k / mlp.num_experts)
+            experts = list(mlp.experts) + ([mlp.shared_expert] if mlp.shared_expert is not None else [])
+            for i, e in enumerate(experts):
+                n = share if i < mlp.num_experts else batch
+                out.append((rows(n, hidden), torch.cat([e.gate_proj.weight, e.up_proj.weight])))
+                out.append((rows(n, e.down_proj.in_features), e.down_proj.weight))
+        else:
+            out.append((rows(batch, hidden), torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
+            out.append((rows(batch, mlp.down_proj.in_features), mlp.down_proj.weight))
+    out.append((rows(batch, hidden), model.lm_head.weight))
+    return out
+
+
+def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
+    """Median time of one decode step's GEMMs alone, back to back."""
+    work = _step_gemms(model, batch)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for x, w in work:
+                F.linear(x, w)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+@dataclass
+class Bound:
+    bandwidth_s: float  # seconds per step at the copy bandwidth
+    gemm_s: float  # seconds per step of the GEMMs alone
+
+    @property
+    def tighter_s(self) -> float:
+        return max(self.bandwidth_s, self.gemm_s)
+
+    @property
+    def which(self) -> str:
+        return "bandwidth" if self.bandwidth_s >= self.gemm_s else "GEMM"
+
+
+def decode_bound(model: Transformer, batch: int, context: int, bandwidth: float) -> Bound:
+    nbytes = weight_bytes(model) + kv_bytes(model, batch, context)
+    return Bound(nbytes / bandwidth, gemm_seconds(model, batch))

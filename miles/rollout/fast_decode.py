@@ -1,0 +1,312 @@
+"""A lean one-token decode step for the rollout engine: the same arithmetic as the model's
+forward, in fewer and larger kernels.
+
+The model's general forward serves training, prefill and every option (FP8, INT4, batch
+invariance, expert capacity, expert parallelism, offload). A decode step needs none of that, and
+at the sizes RL rollout runs on a CPU its cost is the number of operators, not the bytes
+(docs/performance.md, "Where a decode step goes"). Here:
+
+- q/k/v and gate/up run as one GEMM each, and each MoE layer's experts as one grouped GEMM per
+  projection over expert-sorted rows (one gather, one scatter). Their weights are laid out once
+  into one tensor per group, and the model's parameters become views of it: a weight update (an
+  in-place copy into the parameters) lands in the fused tensor, nothing is copied per step, and
+  no memory is added;
+- RMSNorm runs in five kernels instead of the module's eight, q_norm and k_norm in one pass,
+  RoPE on q and k together, and the step runs under `torch.inference_mode`;
+- on a CPU with MKL, the projections of a full batch (as many rows as the engine has slots) use
+  weights packed once into MKL's GEMM layout (`PackedLinear`): unpacked, MKL packs the weight
+  again on every call, which is most of a small-batch GEMM. Packed results are bitwise those of
+  `F.linear`; the packed copies cost about three times the packed weights' memory.
+
+The engine uses it when `unsupported(model)` is None and falls back to the general forward
+otherwise (FP8/INT4 layers, batch-invariant routing, expert capacity, sharded or offloaded
+experts). Its logits equal the general forward's bitwise on the models tested
+(tests/test_fast_decode.py); the measurements are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from miles.models.kv_cache import KVCache
+from miles.models.transformer import ModelOutput, MoE, Transformer, rope_cos_sin
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why the lean step cannot run this model (None: it can)."""
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{name or 'the model'} has forward hooks (tensor parallelism, instrumentation)"
+        if getattr(module, "batch_invariant", False):
+            return f"{name} is batch-invariant (--deterministic-expert-routing)"
+        if isinstance(module, MoE):
+            if module.routing.capacity_factor is not None or module.routing.deterministic:
+                return f"{name} routes with capacity or deterministic ties"
+            if module.expert_parallel is not None or module.expert_loader is not None:
+                return f"{name} has sharded or offloaded experts"
+            if not isinstance(module.experts, nn.ModuleList):
+                return f"{name} keeps its experts in a {type(module.experts).__name__}"
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) or "Linear" in type(m).__name__]
+    odd = [type(m).__name__ for m in layers if type(m) is not nn.Linear]
+    if odd:
+        return f"projections of type {odd[0]} (FP8, INT4 or sharded layers)"
+    if len({(m.weight.dtype, m.weight.device) for m in layers}) > 1:
+        return "projections on several devices or dtypes"
+    return None
+
+
+def fuse(params: list[nn.Parameter]) -> torch.Tensor:
+    """One tensor holding `params` concatenated along dim 0; each parameter becomes a view of its
+    part (its identity, and so any optimizer's reference to it, stays). Already fused params (a
+    second engine on the same model) are reused as they lie."""
+    first = params[0]
+    rows = sum(p.shape[0] for p in params)
+    shape = (rows, *first.shape[1:])
+    storage = first.untyped_storage()
+    offset, consecutive = first.storage_offset(), True
+    for p in params:
+        consecutive &= (
+            p.is_contiguous() and p.untyped_storage().data_ptr() == storage.data_ptr()
+        ) and p.storage_offset() == offset
+        offset += p.numel()
+    if consecutive:
+        return first.detach().new_empty(0).set_(storage, first.storage_offset(), shape)
+    fused = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        p.data = fused[start : start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs here on this dtype and matches per-group GEMMs."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x, w = torch.randn(5, 8, device=device, dtype=dtype), torch.randn(3, 8, 4, device=device, dtype=dtype)
+        offs = torch.tensor([2, 2, 5], device=device, dtype=torch.int32)
+        got = torch._grouped_mm(x, w, offs=offs)
+        want = torch.cat([x[:2] @ w[0], x[2:] @ w[2]])
+        return bool(torch.allclose(got, want, atol=1e-4))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def mkl_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether MKL's packed GEMM runs here (a CPU build with MKL, fp32) and agrees with F.linear."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return False
+    try:
+        w, x = torch.randn(64, 32), torch.randn(3, 32)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 3)
+        return bool(
+            torch.allclose(torch.ops.mkl._mkl_linear(x, packed, w, None, 3), F.linear(x, w), atol=1e-5)
+        )
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class PackedLinear:
+    """F.linear(x, weight) through MKL's packed GEMM when x has exactly `rows` rows.
+
+    The weight is packed on first use and again whenever one of its source parameters changed
+    (their version counters move with every in-place write, so a weight update is seen without
+    being announced). Any other row count takes F.linear; both give the same bits."""
+
+    def __init__(self, weight: torch.Tensor, sources: list[torch.Tensor], rows: int) -> None:
+        self.weight, self.sources, self.rows = weight, sources, rows
+        self.packed: torch.Tensor | None = None
+        self.versions: list[int] = []
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] != self.rows:
+            return F.linear(x, self.weight, bias)
+        versions = [p._version for p in self.sources]
+        if self.packed is None or versions != self.versions:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), self.rows)
+            self.versions = versions
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+
+def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None):
+    """The projection `x -> F.linear(x, weight)`, packed for `rows` rows when that is given."""
+    if rows is not None:
+        return PackedLinear(weight, sources, rows)
+    return lambda x, bias=None: F.linear(x, weight, bias)
+
+
+class _Layer:
+    """One decoder layer's fused weights and modules."""
+
+    def __init__(self, layer: nn.Module, rows: int | None) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn, self.mlp = attn, mlp
+        self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.qkv = self._fuse([p.weight for p in projections])
+        self.qkv_bias = None if attn.q_proj.bias is None else self._fuse([p.bias for p in projections])
+        self.moe = isinstance(mlp, MoE)
+        if self.moe:
+            experts = list(mlp.experts)
+            E, inner = len(experts), experts[0].gate_proj.out_features
+            pairs = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)]
+            self.gate_up = self._fuse(pairs).view(E, 2 * inner, -1)  # (E, 2I, hidden)
+            self.down = self._fuse([e.down_proj.weight for e in experts]).view(E, -1, inner)  # (E, hidden, I)
+        else:
+            self.gate_up = self._fuse([mlp.gate_proj.weight, mlp.up_proj.weight])  # (2I, hidden)
+            self.down = mlp.down_proj.weight
+        # the projections every row goes through, packed for a full batch when asked
+        self.qkv_proj = _plain(self.qkv, [p.weight for p in projections], rows)
+        self.o_proj = _plain(attn.o_proj.weight, [attn.o_proj.weight], rows)
+        if self.moe:
+            self.router = _plain(mlp.gate.weight, [mlp.gate.weight], rows)
+        else:
+            self.gate_up_proj = _plain(self.gate_up, [mlp.gate_proj.weight, mlp.up_proj.weight], rows)
+            self.down_proj = _plain(self.down, [self.down], rows)
+
+    def _fuse(self, params: list[nn.Parameter]) -> torch.Tensor:
+        fused = fuse(params)
+        self.groups.append((fused, params))
+        return fused
+
+    def intact(self) -> bool:
+        """Whether every fused parameter still lives in its fused tensor (a parameter replaced
+        rather than copied into would leave this step reading stale weights)."""
+        return all(
+            p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+            for fused, params in self.groups
+            for p in params
+        )
+
+
+class FastDecoder:
+    """One decode token for rows [0, B) of a KV cache. Build it once per engine model;
+    `packed_rows`: pack the projections for batches of that many rows (CPU with MKL only)."""
+
+    def __init__(self, model: Transformer, packed_rows: int | None = None) -> None:
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the lean decode step cannot run this model: {reason}")
+        self.model, cfg = model, model.config
+        weight = model.lm_head.weight
+        if packed_rows is not None and (
+            packed_rows < 2 or not mkl_packing_works(weight.device, weight.dtype)
+        ):
+            packed_rows = None  # one row runs MKL's GEMV, which packs nothing
+        self.packed_rows = packed_rows
+        self.layers = [_Layer(layer, packed_rows) for layer in model.model.layers]
+        self.lm_head = _plain(weight, [weight], packed_rows)
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.grouped = _grouped_mm_works(weight.device, weight.dtype)
+
+    def intact(self) -> bool:
+        return all(layer.intact() for layer in self.layers)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Memory of the packed weight copies (0 when nothing is packed)."""
+        projections = [self.lm_head] + [
+            p for layer in self.layers for p in vars(layer).values() if isinstance(p, PackedLinear)
+        ]
+        return sum(p.nbytes for p in projections if isinstance(p, PackedLinear))
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
+        """ids, positions (B,) long: one token per cache row 0..B-1 -> logits (B, 1, V) and the
+        routing record (B, 1, MoE layers, K), as `Transformer.forward` returns them."""
+        model, B = self.model, ids.shape[0]
+        length = int(positions.max()) + 1
+        if length > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; position {length - 1} asked")
+        cos, sin = rope_cos_sin(positions[:, None], model.inv_freq)  # (B, 1, D)
+        half = self.head_dim // 2
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate-half's signs
+        visible = (torch.arange(length, device=ids.device)[None, :] <= positions[:, None]).view(
+            B, 1, 1, length
+        )
+        rows = torch.arange(B, device=ids.device)
+        h = F.embedding(ids, model.model.embed_tokens.weight)  # (B, hidden)
+        routed = []
+        for index, layer in enumerate(self.layers):
+            x = self._norm(layer.in_norm, h)
+            attn = self._attention(layer, x, cos, signed_sin, visible, cache, index, rows, positions, length)
+            h = h + layer.o_proj(attn, layer.attn.o_proj.bias)
+            x = self._norm(layer.post_norm, h)
+            if layer.moe:
+                h, ids_k = self._moe(layer, x, h)
+                routed.append(ids_k)
+            else:
+                inner = layer.gate_up.shape[0] // 2
+                gu = layer.gate_up_proj(x)
+                h = h + layer.down_proj(F.silu(gu[:, :inner]) * gu[:, inner:])
+        logits = self.lm_head(self._norm(model.model.norm, h)).float()
+        experts = torch.stack(routed, dim=1)[:, None] if routed else None
+        return ModelOutput(logits=logits[:, None], router_logits=[], routed_experts=experts)
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm in the module's own order, weight * (x * rsqrt(mean(x^2) + eps)), bitwise its
+        result in fewer kernels (`F.rms_norm` on CPU runs about eight)."""
+        scale = x.pow(2).mean(-1, keepdim=True).add_(norm.eps).rsqrt_()
+        return (x * scale).mul_(norm.weight if weight is None else weight)
+
+    def _attention(self, layer, x, cos, signed_sin, visible, cache, index, rows, positions, length):
+        B, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = layer.qkv_proj(x, layer.qkv_bias).view(B, H + 2 * KV, D)
+        qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
+        if layer.attn.qk_norm:  # q_norm and k_norm in one pass: one weight row per head
+            a = layer.attn
+            weight = torch.cat([a.q_norm.weight.expand(H, D), a.k_norm.weight.expand(KV, D)])
+            qk = self._norm(a.q_norm, qk, weight)
+        qk = (qk * cos).add_(qk.roll(D // 2, dims=-1).mul_(signed_sin))  # RoPE on q and k at once
+        q, k = qk[:, :H], qk[:, H:]
+        keys, values = cache.keys[index], cache.values[index]
+        keys[rows, :, positions] = k
+        values[rows, :, positions] = v
+        K, V = keys[:B, :, :length], values[:B, :, :length]  # (B, KV, S, D) views
+        scores = torch.matmul(q.reshape(B, KV, H // KV, D), K.transpose(-1, -2)).mul_(D**-0.5)
+        probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
+        return torch.matmul(probs, V).reshape(B, H * D)
+
+    def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h + the layer's experts on x; the chosen experts (B, K)."""
+        moe: MoE = layer.mlp
+        probs = torch.softmax(layer.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // moe.top_k
+        counts = torch.bincount(flat, minlength=moe.num_experts)
+        rows = x.index_select(0, token)
+        inner = layer.down.shape[-1]
+        if self.grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            gu = torch._grouped_mm(rows, layer.gate_up.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(
+                F.silu(gu[:, :inner]) * gu[:, inner:], layer.down.transpose(1, 2), offs=offs
+            )
+        else:
+            outs = []
+            for e, part in enumerate(rows.split(counts.tolist())):
+                if part.shape[0]:
+                    gu = F.linear(part, layer.gate_up[e])
+                    outs.append(F.linear(F.silu(gu[:, :inner]) * gu[:, inner:], layer.down[e]))
+            y = torch.cat(outs)
+        y = y * weights.to(x.dtype).reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, y)  # (x + experts) in the forward's order
+        if moe.shared_expert is not None:
+            out = out + moe._shared(x)
+        return h + out, chosen
