@@ -164,13 +164,20 @@ def load_model(
     return model.to(device=device, dtype=dtype)
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and alone in its storage: a parameter that is a view of a fused tensor (the
+    rollout engine's lean decode step) is copied out, since safetensors refuses shared storage."""
+    t = t.detach().contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def hf_state_dict(
     model: Transformer, state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds, by Hugging Face name (tied lm_head left out); from `state`
     when given (e.g. the whole weights an FSDP model gathered), else from the model."""
     state = model.state_dict() if state is None else state
-    state = {k: v.detach().contiguous() for k, v in state.items()}
+    state = {k: _own_storage(v) for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state

@@ -233,9 +233,10 @@ class FastDecoder:
         cos, sin = rope_cos_sin(positions[:, None], model.inv_freq)  # (B, 1, D)
         half = self.head_dim // 2
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate-half's signs
-        visible = (torch.arange(length, device=ids.device)[None, :] <= positions[:, None]).view(
-            B, 1, 1, length
-        )
+        visible = None  # every row at the last position sees every key: no mask to apply
+        if bool((positions != length - 1).any()):
+            keys = torch.arange(length, device=ids.device)
+            visible = (keys[None, :] <= positions[:, None]).view(B, 1, 1, length)
         rows = torch.arange(B, device=ids.device)
         h = F.embedding(ids, model.model.embed_tokens.weight)  # (B, hidden)
         routed = []
@@ -276,8 +277,9 @@ class FastDecoder:
         values[rows, :, positions] = v
         K, V = keys[:B, :, :length], values[:B, :, :length]  # (B, KV, S, D) views
         scores = torch.matmul(q.reshape(B, KV, H // KV, D), K.transpose(-1, -2)).mul_(D**-0.5)
-        probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
-        return torch.matmul(probs, V).reshape(B, H * D)
+        if visible is not None:
+            scores = scores.masked_fill_(~visible, float("-inf"))
+        return torch.matmul(scores.softmax(-1), V).reshape(B, H * D)
 
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h + the layer's experts on x; the chosen experts (B, K)."""

@@ -1,0 +1,141 @@
+"""The engine's lean decode step (miles/rollout/fast_decode.py) against the model's general
+forward: same tokens, same log-probs, same routing, for every architecture; weight changes seen;
+fallback where it cannot run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from miles.models import load_model, save_model
+from miles.models.routing import RoutingOptions, apply_routing
+from miles.rollout import Engine, Request, SamplingParams
+from miles.rollout.fast_decode import FastDecoder, PackedLinear, fuse, mkl_packing_works
+from miles.rollout.sampling import gumbel_noise
+from tests.conftest import ARCHS, random_model
+
+
+def mixed_requests(n: int, seed: int = 0) -> list[Request]:
+    """Prompts of different lengths (so rows sit at different positions and masks matter)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, 90, (3 + i % 5,), generator=gen).tolist()
+        out.append(
+            Request(
+                prompt, SamplingParams(temperature=0.9, max_new_tokens=6 + i % 4, ignore_eos=True, seed=i)
+            )
+        )
+    return out
+
+
+def run(model, lean: bool, n: int = 6, slots: int = 6):
+    engine = Engine(model, max_batch_size=slots, max_seq_len=64, seed=0, lean_decode=lean)
+    return engine, engine.generate(mixed_requests(n))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_step_equals_the_general_forward(arch):
+    """Tokens, log-probs and routing records equal the general forward's, bit for bit, with the
+    full-batch projections packed (when MKL is there) and with rows at different positions."""
+    model = random_model(arch, seed=3)
+    lean_engine, lean = run(copy.deepcopy(model), lean=True)
+    general_engine, general = run(copy.deepcopy(model), lean=False)
+    assert lean_engine.decode_path.startswith("lean") and general_engine.decode_path.startswith("general")
+    if mkl_packing_works(torch.device("cpu"), torch.float32):
+        assert lean_engine._fast.packed_bytes > 0  # the packed path ran for the full batches
+    for a, b in zip(lean, general):
+        assert a.tokens == b.tokens
+        assert a.rollout_log_probs == b.rollout_log_probs
+        if model.config.is_moe:
+            assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
+
+
+def test_a_weight_change_reaches_the_lean_step():
+    """Through the engine (update_weights) and behind its back (an in-place write into the
+    model): the fused tensors are the parameters' storage and the packed copies are redone when a
+    parameter's version moves, so the lean step follows either."""
+    model = random_model("qwen3_moe", seed=5)
+    engine = Engine(model, max_batch_size=4, max_seq_len=64, seed=0)
+    greedy = [Request([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=8)) for _ in range(4)]
+    before = engine.generate(copy.deepcopy(greedy))
+    gen = torch.Generator().manual_seed(1)
+    update = [
+        (n, p.detach() + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()
+    ]
+    engine.update_weights(update, version=1)
+    after_update = engine.generate(copy.deepcopy(greedy))
+    reference = copy.deepcopy(model)
+    _, want = run(reference, lean=False)
+    _, got = run(model, lean=True)  # a second engine on the fused model reuses its fused tensors
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    with torch.no_grad():  # behind the engine's back
+        for p in model.model.layers[0].self_attn.k_proj.parameters():
+            p.mul_(-1.5)
+    behind = engine.generate(copy.deepcopy(greedy))
+    assert [s.tokens for s in after_update] != [s.tokens for s in before]
+    with torch.no_grad():
+        for p in reference.model.layers[0].self_attn.k_proj.parameters():
+            p.mul_(-1.5)
+    oracle = Engine(reference, max_batch_size=4, max_seq_len=64, seed=0, lean_decode=False)
+    expected = oracle.generate(copy.deepcopy(greedy))
+    assert [s.tokens for s in behind] == [s.tokens for s in expected]
+    assert [s.rollout_log_probs for s in behind] == [s.rollout_log_probs for s in expected]
+
+
+def test_fuse_keeps_each_parameter_and_a_saved_model_loads_back(tmp_path):
+    model = random_model("qwen2", seed=2)
+    attn = model.model.layers[0].self_attn
+    params = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    values = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    fused = fuse(params)
+    assert [id(p) for p in params] == ids and all(torch.equal(p, v) for p, v in zip(params, values))
+    assert all(p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for p in params)
+    with torch.no_grad():
+        attn.k_proj.weight.add_(1.0)  # a write into a parameter is a write into the fused tensor
+    assert torch.equal(fused[attn.q_proj.out_features :][: attn.k_proj.out_features], values[1] + 1.0)
+    again = fuse(params)  # already fused: reused, not copied
+    assert again.data_ptr() == fused.data_ptr() and again.shape == fused.shape
+    FastDecoder(model)
+    save_model(model, tmp_path / "ckpt")  # shared storage is written out as separate tensors
+    loaded = load_model(tmp_path / "ckpt")
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not mkl_packing_works(torch.device("cpu"), torch.float32), reason="needs MKL")
+def test_packed_linear_equals_f_linear_and_repacks_on_change():
+    weight = torch.nn.Parameter(torch.randn(96, 64))
+    packed = PackedLinear(weight, [weight], rows=8)
+    x = torch.randn(8, 64)
+    assert torch.allclose(packed(x), torch.nn.functional.linear(x, weight), atol=1e-5)
+    assert packed.nbytes > 0
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.allclose(packed(x), torch.nn.functional.linear(x, weight), atol=1e-5)
+    other = torch.randn(3, 64)  # another row count: plain F.linear
+    assert torch.equal(packed(other), torch.nn.functional.linear(other, weight))
+
+
+def test_lean_step_steps_aside_where_it_cannot_run():
+    model = random_model("qwen3_moe", seed=1)
+    apply_routing(model, RoutingOptions(capacity_factor=1.0))
+    engine = Engine(model, max_batch_size=2, max_seq_len=32)
+    assert engine.decode_path.startswith("general forward") and "capacity" in engine.decode_path
+    with pytest.raises(ValueError, match="capacity"):
+        FastDecoder(model)
+    deterministic = random_model("llama", seed=1)
+    apply_routing(deterministic, RoutingOptions(deterministic=True))
+    assert "batch-invariant" in Engine(deterministic, max_batch_size=2, max_seq_len=32).decode_path
+
+
+def test_gumbel_noise_is_the_per_request_draw():
+    """In place and in one buffer, but the same numbers as -log(-log(rand)) per generator."""
+    gens = [torch.Generator().manual_seed(s) for s in (3, 1, 4)]
+    copies = [torch.Generator().manual_seed(s) for s in (3, 1, 4)]
+    got = gumbel_noise(gens, 50)
+    want = torch.stack([-torch.log(-torch.log(torch.rand(50, generator=g).clamp(min=1e-20))) for g in copies])
+    assert torch.equal(got, want)
