@@ -75,6 +75,17 @@ class RolloutSection:
         256, "requests the engine decodes at once (KV-cache slots)", bounds="[1, inf)"
     )
     rollout_seed: int = option(0, "engine sampling seed", bounds="[0, inf)")
+    rollout_lean_decode: bool = option(
+        True,
+        "decode with the engine's lean one-token step (fused q/k/v, gate/up and expert GEMMs; same bits as the "
+        "model's forward); off: the general forward, for A/B checks. Steps aside by itself for FP8/INT4 layers, "
+        "batch-invariant routing, expert capacity and sharded experts",
+    )
+    rollout_packed_gemm: bool = option(
+        True,
+        "CPU with MKL: run the lean step's full-batch projections on weights packed once for MKL's GEMM (same "
+        "bits, faster at small batches; the packed copies take about 3x those weights' memory)",
+    )
     over_sampling_batch_size: int | None = option(
         None,
         "prompts to draw per rollout before dynamic-sampling filters (default: rollout_batch_size)",

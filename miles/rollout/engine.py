@@ -362,20 +362,18 @@ class Engine:
                 logits_at=last.to(dev),
                 token_mask=real.to(dev),
             )
-        index = torch.tensor([unique[seq] for seq in seqs])
-        copies = [
-            (states[b].slot, owners[index[b]].slot, len(seqs[b]))
-            for b in range(len(states))
-            if states[b] is not owners[index[b]]
-        ]
-        for dst, src, n in copies:
+        index = [unique[seq] for seq in seqs]  # each state's prefill row
+        copied = [b for b in range(len(states)) if states[b] is not owners[index[b]]]
+        if copied:  # one gather per buffer; positions past a copy's own length are masked later
+            dst = torch.tensor([states[b].slot for b in copied], device=dev)
+            src = torch.tensor([owners[index[b]].slot for b in copied], device=dev)
             for buf in self.cache.keys + self.cache.values:
-                buf[dst, :, :n] = buf[src, :, :n]
+                buf[dst, :, :T] = buf[src, :, :T]
         if self.is_moe:
             routed = out.routed_experts.to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed = [routed[index[b], : len(seqs[b])]]
-        return out.logits[index.to(dev), 0]
+        return out.logits[torch.tensor(index, device=dev), 0]
 
     def _decode(self) -> list[Sample]:
         spec = self.speculator

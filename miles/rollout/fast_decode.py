@@ -237,7 +237,11 @@ class FastDecoder:
         if bool((positions != length - 1).any()):
             keys = torch.arange(length, device=ids.device)
             visible = (keys[None, :] <= positions[:, None]).view(B, 1, 1, length)
-        rows = torch.arange(B, device=ids.device)
+        heads = torch.arange(self.kv_heads, device=ids.device)
+        rows = (
+            torch.arange(B, device=ids.device)[:, None] * self.kv_heads + heads
+        ) * cache.max_len + positions[:, None]
+        rows = rows.reshape(-1)  # the cache rows (of a (slots*KV*L, D) view) this step writes
         h = F.embedding(ids, model.model.embed_tokens.weight)  # (B, hidden)
         routed = []
         for index, layer in enumerate(self.layers):
@@ -273,8 +277,10 @@ class FastDecoder:
         qk = (qk * cos).add_(qk.roll(D // 2, dims=-1).mul_(signed_sin))  # RoPE on q and k at once
         q, k = qk[:, :H], qk[:, H:]
         keys, values = cache.keys[index], cache.values[index]
-        keys[rows, :, positions] = k
-        values[rows, :, positions] = v
+        # row b, head j, position p of a layer's (slots, KV, L, D) buffer is row (b*KV + j)*L + p
+        # of its (slots*KV*L, D) view: one index_copy_ each, cheaper than advanced-index writes
+        keys.view(-1, D).index_copy_(0, rows, k.reshape(B * KV, D))
+        values.view(-1, D).index_copy_(0, rows, v.reshape(B * KV, D))
         K, V = keys[:B, :, :length], values[:B, :, :length]  # (B, KV, S, D) views
         scores = torch.matmul(q.reshape(B, KV, H // KV, D), K.transpose(-1, -2)).mul_(D**-0.5)
         if visible is not None:

@@ -70,7 +70,10 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         max_seq_len=max_seq_len,
         seed=rollout_cfg.rollout_seed,
         speculator=speculator_for(cfg.speculative, policy, slots, max_seq_len, draft),
+        lean_decode=rollout_cfg.rollout_lean_decode,
+        packed_gemm=rollout_cfg.rollout_packed_gemm,
     )
+    log.info("rollout engine decode step: %s", engine.decode_path)
     trainer = local_trainer(cfg, policy)
     return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))
 

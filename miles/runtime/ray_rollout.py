@@ -79,15 +79,23 @@ class EngineActor:
         # a tensor-parallel rank reads only its own part of the checkpoint
         policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
-        speculator = None
+        speculator, decode = None, {}
         if run_cfg is not None:  # the run's configuration, as the driver resolved it (FP8, INT4, draft)
             from miles.quant.convert import prepare_rollout_model
             from miles.rollout.drafts import speculator_for
 
             speculator = speculator_for(run_cfg.speculative, policy, max_batch_size, max_seq_len)
             policy = prepare_rollout_model(policy, run_cfg)
+            rollout = run_cfg.rollout
+            decode = dict(lean_decode=rollout.rollout_lean_decode, packed_gemm=rollout.rollout_packed_gemm)
         self.engine = Engine(
-            policy, tokenizer, max_batch_size, max_seq_len=max_seq_len, seed=seed, speculator=speculator
+            policy,
+            tokenizer,
+            max_batch_size,
+            max_seq_len=max_seq_len,
+            seed=seed,
+            speculator=speculator,
+            **decode,
         )
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
 
