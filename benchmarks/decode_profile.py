@@ -15,21 +15,11 @@ import argparse
 import time
 
 import torch
+from decode_bound import copy_bandwidth, gemm_seconds
 from torch.profiler import ProfilerActivity, profile
 
 from miles.models import registry
 from miles.rollout import Engine, Request, SamplingParams
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 256 MB tensor copy (read + write counted once each)."""
-    a = torch.empty(64 * 1024**2, dtype=torch.float32)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    return 2 * a.numel() * 4 * 5 / (time.perf_counter() - t0)
 
 
 def decode_engine(spec: str, batch: int, prompt_len: int = 16):
@@ -59,11 +49,13 @@ def profile_decode(spec: str, batch: int, steps: int, bandwidth: float) -> None:
     length = next(iter(engine._running.values())).length
     kv = engine.cache.nbytes * length / engine.max_seq_len  # the filled part of every slot
     bound = (weights + kv) / bandwidth
+    gemms = gemm_seconds(model, batch)
     print(
-        f"\n{spec}, batch {batch}: {wall * 1e3:.2f} ms per decode step ({batch / wall:.0f} tokens/s); "
-        f"operators {total_self * 1e3:.2f} ms, dispatch/Python {max(wall - total_self, 0) * 1e3:.2f} ms; "
-        f"weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.1f} MB at {bandwidth / 1e9:.1f} GB/s = "
-        f"{bound * 1e3:.2f} ms bound ({bound / wall:.0%} of it reached)"
+        f"\n{spec}, batch {batch} ({engine.decode_path}): {wall * 1e3:.2f} ms per decode step "
+        f"({batch / wall:.0f} tokens/s); operators {total_self * 1e3:.2f} ms, dispatch/Python "
+        f"{max(wall - total_self, 0) * 1e3:.2f} ms; weights {weights / 1e6:.1f} MB + KV {kv / 1e6:.1f} MB at "
+        f"{bandwidth / 1e9:.1f} GB/s = {bound * 1e3:.2f} ms bound ({bound / wall:.0%} of it reached); "
+        f"the step's GEMMs alone {gemms * 1e3:.2f} ms ({gemms / wall:.0%})"
     )
     print(f"{'operator':40s} {'calls/step':>10s} {'self ms/step':>12s} {'share':>6s}")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:14]:

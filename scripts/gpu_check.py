@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/gpu_check.py            # ~2-4 minutes on one GPU
 
-1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2);
+1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2); the
+   lean decode step on cuda vs the general forward (same samples, both timed);
 2. one GRPO training step on cuda vs cpu: same losses and gradient norm; CUDA IPC zero-copy
    between two processes (a write through the trainer's tensor is seen by the other); the FP8
    rollout layer (--fp8-rollout-only) on cuda vs cpu;
@@ -66,6 +67,45 @@ def engine_cuda_vs_cpu(spec: str) -> None:
         f"engine {spec} cuda vs cpu",
         same >= len(out["cpu"]) - 2 and gap < 1e-3,
         f"{same}/{len(out['cpu'])} identical samples, logprob gap {gap:.2e}",
+    )
+
+
+def lean_decode_on_cuda(spec: str) -> None:
+    """The engine's lean decode step on CUDA (fused GEMMs; grouped expert GEMM where the device
+    has it, a per-expert loop otherwise) against the general forward: same samples, and time."""
+    from miles.models import registry
+    from miles.rollout import Engine, Request, SamplingParams
+
+    model, tok = registry.load(spec)
+    prompts = [tok.encode(f"Calculate {i} + {3 * i}.") for i in range(32)]
+    out, seconds, path = {}, {}, ""
+    for lean in (False, True):
+        engine = Engine(
+            copy.deepcopy(model).to("cuda"), tok, max_batch_size=32, max_seq_len=128, lean_decode=lean
+        )
+        path = engine.decode_path if lean else path
+        reqs = [
+            Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, seed=i, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        engine.generate(copy.deepcopy(reqs[:2]))  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out[lean] = engine.generate(reqs)
+        torch.cuda.synchronize()
+        seconds[lean] = time.perf_counter() - t0
+    same = sum(a.tokens == b.tokens for a, b in zip(out[False], out[True]))
+    gap = max(
+        abs(x - y)
+        for a, b in zip(out[False], out[True])
+        if a.tokens == b.tokens
+        for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)
+    )
+    check(
+        f"lean decode step {spec} on cuda vs the general forward",
+        path.startswith("lean") and same >= len(prompts) - 2 and gap < 1e-4,
+        f"{path}; {same}/{len(prompts)} identical samples, logprob gap {gap:.2e}; "
+        f"{seconds[False]:.2f} s general, {seconds[True]:.2f} s lean",
     )
 
 
@@ -338,6 +378,8 @@ def main() -> None:
     check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
     engine_cuda_vs_cpu("tiny")
     engine_cuda_vs_cpu("smollm2")
+    lean_decode_on_cuda("tiny")
+    lean_decode_on_cuda("smollm2")
     train_step_cuda_vs_cpu()
     fp8_rollout_cuda_vs_cpu()
     fp8_trainer_cuda_vs_cpu()

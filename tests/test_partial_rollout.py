@@ -66,5 +66,7 @@ def test_partial_rollout_trains_each_sample_once_with_its_token_versions(tmp_pat
 
 
 def test_partial_rollout_over_two_ray_engines(ray_cluster, tmp_path, monkeypatch):
-    """The same on two engine actors: the driver polls them and stops both once enough groups are done."""
-    check_partial_run(tmp_path, monkeypatch, ["--rollout-num-gpus", "2"])
+    """The same on two engine actors: the driver polls them and stops both once enough groups are done.
+    4x in flight: the driver polls every few ms, and with 2x both engines could finish everything
+    between two polls on a busy machine, leaving nothing to carry."""
+    check_partial_run(tmp_path, monkeypatch, ["--rollout-num-gpus", "2", "--over-sampling-batch-size", "16"])
