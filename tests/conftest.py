@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,27 @@ def small_run_args(out: Path, num_rollout: int) -> list[str]:
         "--n-samples-per-prompt", "4", "--eval-size", "8", "--eval-interval", "2", "--micro-batch-size", "8",
         "--output-dir", str(out), "--no-progress",
     ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def local_run(tmp_path_factory):
+    """`local_run(steps)`: the metrics of the one-process run of `small_run_args(steps)`, trained
+    once per session. It is the reference every distributed layout is compared with; each test
+    training it again cost the suite about 4 s a time."""
+    done: dict[int, list[dict]] = {}
+
+    def get(steps: int) -> list[dict]:
+        if steps not in done:
+            from miles.config import load_config
+            from miles.runtime.loop import train
+            from miles.runtime.metrics import read_metrics
+
+            out = tmp_path_factory.mktemp(f"local_run_{steps}")
+            train(load_config(small_run_args(out, steps)))
+            done[steps] = read_metrics(out)
+        return copy.deepcopy(done[steps])
+
+    return get
 
 
 def comparable(records: list[dict]) -> list[dict]:

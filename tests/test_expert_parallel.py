@@ -77,7 +77,7 @@ def test_expert_parallel_equals_whole_experts(world, size):
     mp.spawn(ep_worker, args=(world, size, free_port()), nprocs=world)
 
 
-def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cluster, tmp_path):
+def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cluster, tmp_path, local_run):
     """--expert-model-parallel-size 2 on 2 training ranks: the same metrics as one process, the
     engines receive the gathered experts (--check-weight-update-equal), a checkpoint holds every
     rank's optimizer state and a resumed run goes on as the uninterrupted one; each rank's expert
@@ -87,7 +87,6 @@ def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cl
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
-    train(load_config(small_run_args(tmp_path / "local", 3)))
     ep = [
         "--actor-num-gpus-per-node",
         "2",
@@ -98,7 +97,7 @@ def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cl
     ep += ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
     train(load_config(small_run_args(tmp_path / "ep", 2) + ep))
     train(load_config(small_run_args(tmp_path / "ep", 3) + ep + ["--load", str(tmp_path / "ckpt")]))
-    local, split = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ep")
+    local, split = local_run(3), read_metrics(tmp_path / "ep")
     assert_same_run(local, split)
     trained = [(a, b) for a, b in zip(local, split) if "mem_train_weights_gb" in b]
     for a, b in trained:  # the load metrics are counted over both ranks

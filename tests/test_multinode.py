@@ -25,7 +25,7 @@ def two_nodes():
     cluster.shutdown()
 
 
-def test_two_nodes_train_like_one_process(two_nodes, tmp_path, monkeypatch, caplog):
+def test_two_nodes_train_like_one_process(two_nodes, tmp_path, monkeypatch, caplog, local_run):
     from miles.config import load_config
     from miles.models import registry
     from miles.models.checkpoint import hf_state_dict
@@ -49,8 +49,7 @@ def test_two_nodes_train_like_one_process(two_nodes, tmp_path, monkeypatch, capl
     where(RayTrainer, lambda t: ray.get([r.node_id.remote() for r in t.ranks]))
     where(RolloutManager, lambda m: m.node_ids())
 
-    train(load_config(small_run_args(tmp_path / "local", 3)))
-    reference = read_metrics(tmp_path / "local")
+    reference = local_run(3)
     model_bytes = sum(t.numel() * t.element_size() for t in hf_state_dict(registry.load("tiny")[0]).values())
     layout = ["--actor-num-nodes", "2", "--rollout-num-gpus", "2", "--check-weight-update-equal"]
     runs = {

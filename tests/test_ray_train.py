@@ -70,7 +70,7 @@ def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
     ray.get([r.shutdown.remote() for r in ranks])
 
 
-def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
+def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_run):
     """`miles train --actor-num-gpus-per-node 2 --rollout-num-gpus 2` (processes on CPU) logs the
     same metrics as the one-process run, and saves a checkpoint from rank 0."""
     from miles.config import load_config
@@ -78,7 +78,6 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
-    train(load_config(small_run_args(tmp_path / "local", 3)))
     args = small_run_args(tmp_path / "ray", 3) + [
         "--actor-num-gpus-per-node",
         "2",
@@ -89,7 +88,7 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
         "--check-weight-update-equal",
     ]
     train(load_config(args))
-    local, distributed = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    local, distributed = local_run(3), read_metrics(tmp_path / "ray")
     assert_same_run(local, distributed)
     assert (tmp_path / "ckpt" / "latest").read_text() == "2"
     # each process kind's peak memory per step: ranks and engines each hold a model and torch (> 100 MB)
@@ -98,7 +97,7 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path):
     assert all("mem_train_peak_rss_gb" not in r for r in local)  # one process: only the driver's
 
 
-def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):
+def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     """--use-zero-copy-sync: local and Ray engines map the trainer's memory (with several ranks,
     rank 0's own): same run, and each sync moves handles of a few KB instead of the 7 MB model."""
     from miles.config import load_config
@@ -106,8 +105,7 @@ def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path):
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
-    train(load_config(small_run_args(tmp_path / "bucketed", 3)))
-    reference = read_metrics(tmp_path / "bucketed")
+    reference = local_run(3)
     ranks = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]  # engines map rank 0's memory
     for name, extra in (("local", []), ("ray", ["--rollout-num-gpus", "2"]), ("ranks", ranks)):
         train(
@@ -257,7 +255,7 @@ def test_two_ranks_two_engines_learn_the_default_task(ray_cluster, tmp_path, mon
     assert after > before + 0.3, (before, after)
 
 
-def test_tensor_parallel_engine_in_miles_train(ray_cluster, tmp_path):
+def test_tensor_parallel_engine_in_miles_train(ray_cluster, tmp_path, local_run):
     """--rollout-num-gpus 2 --rollout-num-gpus-per-engine 2: one engine split over two processes
     (gloo). Same run as one process; --check-weight-update-equal reassembles the engine's halves
     and compares them with the trainer's weights after every sync."""
@@ -266,10 +264,9 @@ def test_tensor_parallel_engine_in_miles_train(ray_cluster, tmp_path):
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
-    train(load_config(small_run_args(tmp_path / "local", 3)))
     tp = ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--check-weight-update-equal"]
     train(load_config(small_run_args(tmp_path / "tp", 3) + tp))
-    local, split = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "tp")
+    local, split = local_run(3), read_metrics(tmp_path / "tp")
     assert_same_run(local, split, rel=1e-3)
 
 
@@ -292,7 +289,7 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path):
     assert_same_run(read_metrics(tmp_path / "local"), read_metrics(tmp_path / "fsdp"))
 
 
-def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
+def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     """--sync-transport broadcast: the trainer (one rank, or rank 0 of 2 ranks) broadcasts
     buckets over a weight-update group to every engine process (2 engines; one engine split over
     2 tensor-parallel processes). Same run as one process, engines equal to the trainer after
@@ -302,8 +299,7 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path):
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
-    train(load_config(small_run_args(tmp_path / "local", 3)))
-    reference = read_metrics(tmp_path / "local")
+    reference = local_run(3)
     from miles.models.checkpoint import hf_state_dict
 
     hf = hf_state_dict(registry.load("tiny")[0])
