@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import statistics
 import tempfile
@@ -76,23 +77,41 @@ def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
     return sum(lengths) / (time.perf_counter() - start)
 
 
-def run_miles(model, tokenizer, prompts, lengths: list[int], batch: int) -> float:
+def run_miles(
+    model, tokenizer, prompts, lengths: list[int], batch: int, compile_decode: bool = False, repeats: int = 1
+) -> float:
+    """Tokens per second of one engine on the workload, the median of `repeats` runs."""
     engine = Engine(
-        model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1
-    )
+        model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1,
+        compile_decode=compile_decode,
+    )  # fmt: skip
     requests = [
         Request(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
         for p, n in zip(prompts, lengths)
     ]
-    start = time.perf_counter()
-    samples = engine.generate(requests)
-    elapsed = time.perf_counter() - start
-    assert [s.response_length for s in samples] == lengths
-    return sum(lengths) / elapsed
+    if compile_decode:  # compile outside the timing (reported by the engine's log, and below)
+        engine.generate(copy.deepcopy(requests))
+        print(
+            f"  (compiled decode: {engine._fast.compile_seconds:.1f} s of compilation, not timed)", flush=True
+        )
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        samples = engine.generate(copy.deepcopy(requests))
+        rates.append(sum(lengths) / (time.perf_counter() - start))
+        assert [s.response_length for s in samples] == lengths
+    return statistics.median(rates)
 
 
 def bench(
-    name: str, spec: str, batch: int, new_tokens: int, repeats: int, bandwidth: float, mixed=True
+    name: str,
+    spec: str,
+    batch: int,
+    new_tokens: int,
+    repeats: int,
+    bandwidth: float,
+    mixed=True,
+    compiled=False,
 ) -> list:
     with contextlib.redirect_stderr(io.StringIO()):
         model, tokenizer = registry.load(spec)
@@ -125,6 +144,13 @@ def bench(
             f"{ours / bound_tps:4.0%} of the bound, {ours / bw_tps:4.0%} of bandwidth",
             flush=True,
         )
+        if compiled:
+            fast = run_miles(model, tokenizer, prompts, lengths, batch, compile_decode=True, repeats=repeats)
+            print(
+                f"{'':<9} {workload:<5} with --rollout-compile: miles {fast:7.0f} tok/s | ratio {fast / theirs:5.2f}x | "
+                f"{fast / bound_tps:4.0%} of the bound, {fast / bw_tps:4.0%} of bandwidth",
+                flush=True,
+            )
         rows.append((name, workload, batch, ours, theirs))
     return rows
 
@@ -135,6 +161,7 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=["tiny", "smollm2"], help="run one model only")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
+    parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
@@ -143,9 +170,20 @@ def main() -> None:
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     if args.only in (None, "tiny"):
-        bench("tiny MoE", "tiny", batch=64, new_tokens=64, repeats=args.repeats, bandwidth=bandwidth)
+        bench(
+            "tiny MoE",
+            "tiny",
+            batch=64,
+            new_tokens=64,
+            repeats=args.repeats,
+            bandwidth=bandwidth,
+            compiled=args.compile,
+        )
     if args.only in (None, "smollm2"):
-        bench("SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth)
+        bench(
+            "SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth,
+            compiled=args.compile,
+        )  # fmt: skip
         bench(
             "SmolLM2",
             "smollm2",
@@ -154,6 +192,7 @@ def main() -> None:
             repeats=args.repeats,
             bandwidth=bandwidth,
             mixed=False,
+            compiled=args.compile,
         )
 
 

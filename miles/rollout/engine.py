@@ -23,6 +23,7 @@ from tqdm import tqdm
 from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
+from miles.rollout.compiled_decode import CompiledDecode, compile_unsupported
 from miles.rollout.fast_decode import FastDecoder, unsupported
 from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
@@ -69,18 +70,20 @@ class Engine:
         speculator: Speculator | None = None,
         lean_decode: bool = True,
         packed_gemm: bool = True,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model.eval()
         self.lean_decode = lean_decode  # the one-token step of miles.rollout.fast_decode, where it applies
         self.packed_gemm = packed_gemm  # its full-batch projections on MKL-packed weights (CPU)
+        self.compile_decode = compile_decode  # that step compiled whole (miles.rollout.compiled_decode)
         self.speculator = speculator  # speculative decoding (miles/rollout/speculative.py), or None
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
         self.slots = max_batch_size
-        self._fast: FastDecoder | None = None
-        self._fast_for_model()
         context = model.config.max_position_embeddings  # never generate past what the model knows
         self.max_seq_len = min(max_seq_len or context, context)
+        self._fast: FastDecoder | CompiledDecode | None = None
+        self._fast_for_model()
         self.cache = model.new_cache(self.slots, self.max_seq_len)
         self.seed = seed
         # while requests are decoding, admit waiting ones only once this many slots are free
@@ -114,6 +117,13 @@ class Engine:
         self._fast = FastDecoder(self.model, self.slots if self.packed_gemm else None)
         packed = self._fast.packed_rows
         self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
+        if self.compile_decode:
+            why_not = compile_unsupported(self._fast)
+            if why_not is None:
+                self._fast = CompiledDecode(self._fast, self.slots, self.max_seq_len)
+                self.decode_path = "lean, compiled (torch.compile)"
+            else:
+                self.decode_path += f"; not compiled: {why_not}"
 
     # ---- public API ----
 
