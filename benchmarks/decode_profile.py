@@ -2,7 +2,7 @@
 time) and Python/dispatch vs kernel time, for the tiny MoE at batch 64 and SmolLM2-135M at batch
 1 and 16. The first part of issue #18: measured before anything is changed.
 
-    .venv/bin/python benchmarks/decode_profile.py [--only tiny|smollm2] [--steps 32]
+    .venv/bin/python benchmarks/decode_profile.py [--only tiny|smollm2] [--steps 32] [--path general]
 
 "dispatch" is wall time minus the summed self time of the operators (Python, the engine's own
 bookkeeping, the module tree); "bound" is the time to read the weights and KV cache once at the
@@ -21,10 +21,17 @@ from torch.profiler import ProfilerActivity, profile
 from miles.models import registry
 from miles.rollout import Engine, Request, SamplingParams
 
+PATHS = {  # --path: which decode step the engine runs
+    "general": dict(lean_decode=False),
+    "lean": dict(packed_gemm=False),
+    "packed": dict(),
+    "compiled": dict(compile_decode=True),
+}
 
-def decode_engine(spec: str, batch: int, prompt_len: int = 16):
+
+def decode_engine(spec: str, batch: int, path: str, prompt_len: int = 16):
     model, tokenizer = registry.load(spec)
-    engine = Engine(model.eval(), tokenizer, batch, max_seq_len=prompt_len + 200, seed=0)
+    engine = Engine(model.eval(), tokenizer, batch, max_seq_len=prompt_len + 200, seed=0, **PATHS[path])
     params = SamplingParams(temperature=1.0, max_new_tokens=10_000, ignore_eos=True)
     for i in range(batch):
         engine.add_request(Request([(7 * i + j) % 200 + 10 for j in range(prompt_len)], params))
@@ -34,8 +41,8 @@ def decode_engine(spec: str, batch: int, prompt_len: int = 16):
     return engine, model
 
 
-def profile_decode(spec: str, batch: int, steps: int, bandwidth: float) -> None:
-    engine, model = decode_engine(spec, batch)
+def profile_decode(spec: str, batch: int, steps: int, bandwidth: float, path: str) -> None:
+    engine, model = decode_engine(spec, batch, path)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -69,6 +76,7 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=["tiny", "smollm2"])
     parser.add_argument("--steps", type=int, default=32, help="decode steps measured per case")
+    parser.add_argument("--path", choices=list(PATHS), default="packed", help="the engine's decode step")
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
@@ -76,7 +84,7 @@ def main() -> None:
     cases = [("tiny", 64), ("smollm2", 1), ("smollm2", 16)]
     for spec, batch in cases:
         if args.only in (None, spec):
-            profile_decode(spec, batch, args.steps, bandwidth)
+            profile_decode(spec, batch, args.steps, bandwidth, args.path)
 
 
 if __name__ == "__main__":
