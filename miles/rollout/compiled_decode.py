@@ -21,6 +21,7 @@ the parameters, hence into the fused tensors) needs no recompilation.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable
 
@@ -38,7 +39,10 @@ DENSE_EXPERTS = 4  # at most this many experts per chosen expert for the dense M
 
 
 def compile_unsupported(decoder: FastDecoder) -> str | None:
-    """Why the compiled step cannot run this model (None: it can)."""
+    """Why the compiled step cannot run this model here (None: it can)."""
+    device = decoder.model.lm_head.weight.device
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "no C++ compiler on PATH (inductor compiles the CPU step with one)"
     for layer in decoder.layers:
         if layer.moe:
             moe = layer.mlp
