@@ -15,7 +15,7 @@ import argparse
 import time
 
 import torch
-from decode_bound import copy_bandwidth, gemm_seconds
+from decode_bound import copy_bandwidth, decode_bound, kv_bytes, weight_bytes
 from torch.profiler import ProfilerActivity, profile
 
 from miles.models import registry
@@ -52,11 +52,10 @@ def profile_decode(spec: str, batch: int, steps: int, bandwidth: float, path: st
             engine.step()
     events = prof.key_averages()
     total_self = sum(e.self_cpu_time_total for e in events) / steps / 1e6
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     length = next(iter(engine._running.values())).length
-    kv = engine.cache.nbytes * length / engine.max_seq_len  # the filled part of every slot
-    bound = (weights + kv) / bandwidth
-    gemms = gemm_seconds(model, batch)
+    weights, kv = weight_bytes(model), kv_bytes(model, batch, length)  # kv: the filled part of each slot
+    limits = decode_bound(model, batch, length, bandwidth)
+    bound, gemms = limits.bandwidth_s, limits.gemm_s
     print(
         f"\n{spec}, batch {batch} ({engine.decode_path}): {wall * 1e3:.2f} ms per decode step "
         f"({batch / wall:.0f} tokens/s); operators {total_self * 1e3:.2f} ms, dispatch/Python "

@@ -78,12 +78,12 @@ def lean_decode_on_cuda(spec: str) -> None:
 
     model, tok = registry.load(spec)
     prompts = [tok.encode(f"Calculate {i} + {3 * i}.") for i in range(32)]
-    out, seconds, path = {}, {}, ""
+    out, seconds, paths = {}, {}, {}
     for lean in (False, True):
         engine = Engine(
             copy.deepcopy(model).to("cuda"), tok, max_batch_size=32, max_seq_len=128, lean_decode=lean
         )
-        path = engine.decode_path if lean else path
+        paths[lean] = engine.decode_path
         reqs = [
             Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, seed=i, ignore_eos=True))
             for i, p in enumerate(prompts)
@@ -103,8 +103,8 @@ def lean_decode_on_cuda(spec: str) -> None:
     )
     check(
         f"lean decode step {spec} on cuda vs the general forward",
-        path.startswith("lean") and same >= len(prompts) - 2 and gap < 1e-4,
-        f"{path}; {same}/{len(prompts)} identical samples, logprob gap {gap:.2e}; "
+        paths[True].startswith("lean") and same >= len(prompts) - 2 and gap < 1e-4,
+        f"{paths[True]}; {same}/{len(prompts)} identical samples, logprob gap {gap:.2e}; "
         f"{seconds[False]:.2f} s general, {seconds[True]:.2f} s lean",
     )
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
-from miles.models.transformer import ModelOutput, rope_cos_sin
-from miles.rollout.fast_decode import FastDecoder
+from miles.models.transformer import ModelOutput
+from miles.rollout.fast_decode import FastDecoder, apply_rope, cache_rows, rms_norm, rope_tables
 
 log = logging.getLogger("miles")
 
@@ -81,25 +81,22 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
     H, KV, D, eps = decoder.heads, decoder.kv_heads, decoder.head_dim, cfg.rms_norm_eps
     top_k, normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    def norm(x, weight):
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
     def step(ids, positions, keys, values, weights, embed, final_norm, lm_head, inv_freq):
-        cos, sin = rope_cos_sin(positions[:, None], inv_freq)
-        half = D // 2
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        cos, signed_sin = rope_tables(positions, inv_freq)
         visible = (torch.arange(length)[None, :] <= positions[:, None]).view(slots, 1, 1, length)
-        rows = (
-            (torch.arange(slots)[:, None] * KV + torch.arange(KV)) * max_len + positions[:, None]
-        ).reshape(-1)
+        rows = cache_rows(positions, KV, max_len)
         h = F.embedding(ids, embed)
         routed = []
         for i, w in enumerate(weights):
-            qkv = F.linear(norm(h, w["in_norm"]), w["qkv"], w.get("qkv_bias")).view(slots, H + 2 * KV, D)
+            qkv = F.linear(rms_norm(h, w["in_norm"], eps), w["qkv"], w.get("qkv_bias")).view(
+                slots, H + 2 * KV, D
+            )
             qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
             if "q_norm" in w:
-                qk = torch.cat([norm(qk[:, :H], w["q_norm"]), norm(qk[:, H:], w["k_norm"])], dim=1)
-            qk = qk * cos + qk.roll(half, dims=-1) * signed_sin
+                qk = torch.cat(
+                    [rms_norm(qk[:, :H], w["q_norm"], eps), rms_norm(qk[:, H:], w["k_norm"], eps)], dim=1
+                )
+            qk = apply_rope(qk, cos, signed_sin)
             q, k = qk[:, :H], qk[:, H:]
             keys[i].view(-1, D).index_copy_(0, rows, k.reshape(slots * KV, D))
             values[i].view(-1, D).index_copy_(0, rows, v.reshape(slots * KV, D))
@@ -107,7 +104,7 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
             scores = torch.matmul(q.reshape(slots, KV, H // KV, D), K.transpose(-1, -2)) * D**-0.5
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             h = h + F.linear(torch.matmul(probs, V).reshape(slots, H * D), w["o"], w.get("o_bias"))
-            x = norm(h, w["post_norm"])
+            x = rms_norm(h, w["post_norm"], eps)
             if "router" in w:  # every expert on every row, weighted by the top-k routing
                 experts, inner = w["down"].shape[0], w["down"].shape[-1]
                 p = torch.softmax(F.linear(x, w["router"]).float(), dim=-1)
@@ -123,7 +120,7 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
                 inner = w["down"].shape[1]
                 gu = F.linear(x, w["gate_up"])
                 h = h + F.linear(F.silu(gu[:, :inner]) * gu[:, inner:], w["down"])
-        logits = F.linear(norm(h, final_norm), lm_head).float()
+        logits = F.linear(rms_norm(h, final_norm, eps), lm_head).float()
         return logits, (torch.stack(routed, dim=1) if routed else None)
 
     return step

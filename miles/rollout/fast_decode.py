@@ -26,6 +26,8 @@ experts). Its logits equal the general forward's bitwise on the models tested
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,13 +50,56 @@ def unsupported(model: Transformer) -> str | None:
                 return f"{name} has sharded or offloaded experts"
             if not isinstance(module.experts, nn.ModuleList):
                 return f"{name} keeps its experts in a {type(module.experts).__name__}"
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear) or "Linear" in type(m).__name__]
+    layers = list(projections(model))
     odd = [type(m).__name__ for m in layers if type(m) is not nn.Linear]
     if odd:
         return f"projections of type {odd[0]} (FP8, INT4 or sharded layers)"
     if len({(m.weight.dtype, m.weight.device) for m in layers}) > 1:
         return "projections on several devices or dtypes"
     return None
+
+
+def projections(model: Transformer):
+    """Every projection module the lean step reads the weight of."""
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        if isinstance(mlp, MoE):
+            yield mlp.gate
+            for e in mlp.experts:
+                yield from (e.gate_proj, e.up_proj, e.down_proj)
+        else:
+            yield from (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    yield model.lm_head
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in the module's own order, weight * (x * rsqrt(mean(x^2) + eps)): bitwise its
+    result in fewer kernels (`F.rms_norm` on CPU runs about eight)."""
+    scale = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (x * scale).mul_(weight)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and rotate-half-signed sin (B, 1, D) for one position per row: `rotate(x)` is then
+    x.roll(D/2) * signed_sin, with the same bits as the model's cat([-x2, x1]) * sin."""
+    cos, sin = rope_cos_sin(positions[:, None], inv_freq)
+    half = cos.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, D) rotated; q and k heads together."""
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin))
+
+
+def cache_rows(positions: torch.Tensor, kv_heads: int, max_len: int) -> torch.Tensor:
+    """The rows of a layer's (slots*KV*L, D) cache view that rows 0..B-1 write at `positions`:
+    row b, head j, position p of (slots, KV, L, D) is row (b*KV + j)*L + p."""
+    B = positions.shape[0]
+    slots = torch.arange(B, device=positions.device)[:, None] * kv_heads
+    heads = torch.arange(kv_heads, device=positions.device)
+    return ((slots + heads) * max_len + positions[:, None]).reshape(-1)
 
 
 def fuse(params: list[nn.Parameter]) -> torch.Tensor:
@@ -81,6 +126,7 @@ def fuse(params: list[nn.Parameter]) -> torch.Tensor:
     return fused
 
 
+@functools.cache
 def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs here on this dtype and matches per-group GEMMs."""
     if not hasattr(torch, "_grouped_mm"):
@@ -95,6 +141,7 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
 def mkl_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether MKL's packed GEMM runs here (a CPU build with MKL, fp32) and agrees with F.linear."""
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkl.is_available():
@@ -168,9 +215,11 @@ class _Layer:
         self.o_proj = _plain(attn.o_proj.weight, [attn.o_proj.weight], rows)
         if self.moe:
             self.router = _plain(mlp.gate.weight, [mlp.gate.weight], rows)
+            self.projections = [self.qkv_proj, self.o_proj, self.router]
         else:
             self.gate_up_proj = _plain(self.gate_up, [mlp.gate_proj.weight, mlp.up_proj.weight], rows)
             self.down_proj = _plain(self.down, [self.down], rows)
+            self.projections = [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def _fuse(self, params: list[nn.Parameter]) -> torch.Tensor:
         fused = fuse(params)
@@ -217,10 +266,8 @@ class FastDecoder:
     @property
     def packed_bytes(self) -> int:
         """Memory of the packed weight copies (0 when nothing is packed)."""
-        projections = [self.lm_head] + [
-            p for layer in self.layers for p in vars(layer).values() if isinstance(p, PackedLinear)
-        ]
-        return sum(p.nbytes for p in projections if isinstance(p, PackedLinear))
+        packed = [self.lm_head, *(p for layer in self.layers for p in layer.projections)]
+        return sum(p.nbytes for p in packed if isinstance(p, PackedLinear))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
@@ -230,18 +277,12 @@ class FastDecoder:
         length = int(positions.max()) + 1
         if length > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} positions; position {length - 1} asked")
-        cos, sin = rope_cos_sin(positions[:, None], model.inv_freq)  # (B, 1, D)
-        half = self.head_dim // 2
-        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # rotate-half's signs
+        cos, signed_sin = rope_tables(positions, model.inv_freq)  # (B, 1, D)
         visible = None  # every row at the last position sees every key: no mask to apply
         if bool((positions != length - 1).any()):
             keys = torch.arange(length, device=ids.device)
             visible = (keys[None, :] <= positions[:, None]).view(B, 1, 1, length)
-        heads = torch.arange(self.kv_heads, device=ids.device)
-        rows = (
-            torch.arange(B, device=ids.device)[:, None] * self.kv_heads + heads
-        ) * cache.max_len + positions[:, None]
-        rows = rows.reshape(-1)  # the cache rows (of a (slots*KV*L, D) view) this step writes
+        rows = cache_rows(positions, self.kv_heads, cache.max_len)  # where this step writes k, v
         h = F.embedding(ids, model.model.embed_tokens.weight)  # (B, hidden)
         routed = []
         for index, layer in enumerate(self.layers):
@@ -261,10 +302,7 @@ class FastDecoder:
         return ModelOutput(logits=logits[:, None], router_logits=[], routed_experts=experts)
 
     def _norm(self, norm: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm in the module's own order, weight * (x * rsqrt(mean(x^2) + eps)), bitwise its
-        result in fewer kernels (`F.rms_norm` on CPU runs about eight)."""
-        scale = x.pow(2).mean(-1, keepdim=True).add_(norm.eps).rsqrt_()
-        return (x * scale).mul_(norm.weight if weight is None else weight)
+        return rms_norm(x, norm.weight if weight is None else weight, norm.eps)
 
     def _attention(self, layer, x, cos, signed_sin, visible, cache, index, rows, positions, length):
         B, H, KV, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
@@ -274,11 +312,10 @@ class FastDecoder:
             a = layer.attn
             weight = torch.cat([a.q_norm.weight.expand(H, D), a.k_norm.weight.expand(KV, D)])
             qk = self._norm(a.q_norm, qk, weight)
-        qk = (qk * cos).add_(qk.roll(D // 2, dims=-1).mul_(signed_sin))  # RoPE on q and k at once
+        qk = apply_rope(qk, cos, signed_sin)  # q and k at once
         q, k = qk[:, :H], qk[:, H:]
         keys, values = cache.keys[index], cache.values[index]
-        # row b, head j, position p of a layer's (slots, KV, L, D) buffer is row (b*KV + j)*L + p
-        # of its (slots*KV*L, D) view: one index_copy_ each, cheaper than advanced-index writes
+        # one index_copy_ into each (slots*KV*L, D) view: cheaper than advanced-index writes
         keys.view(-1, D).index_copy_(0, rows, k.reshape(B * KV, D))
         values.view(-1, D).index_copy_(0, rows, v.reshape(B * KV, D))
         K, V = keys[:B, :, :length], values[:B, :, :length]  # (B, KV, S, D) views
