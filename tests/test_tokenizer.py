@@ -9,10 +9,11 @@ from transformers import AutoTokenizer
 from miles.models import byte_tokenizer
 
 TOK = byte_tokenizer()
+SPECIAL = list(TOK.get_added_vocab())  # chat and control tokens: one id each, not one per byte
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.text(max_size=40))
+@given(st.text(max_size=40).filter(lambda t: not any(s in t for s in SPECIAL)))
 def test_byte_tokenizer_round_trips_any_text(text):
     ids = TOK(text).input_ids
     assert len(ids) == len(text.encode("utf-8"))  # one token per byte
