@@ -6,8 +6,8 @@ invariance, expert capacity, expert parallelism, offload). A decode step needs n
 at the sizes RL rollout runs on a CPU its cost is the number of operators, not the bytes
 (docs/performance.md, "Where a decode step goes"). Here:
 
-- q/k/v and gate/up run as one GEMM each, and each MoE layer's experts as one grouped GEMM per
-  projection over expert-sorted rows (one gather, one scatter). Their weights are laid out once
+- q/k/v and gate/up run as one GEMM each, and each MoE layer's experts as one batched GEMM per
+  projection over expert-sorted rows (`expert_mlp`: one gather, one scatter). Their weights are laid out once
   into one tensor per group, and the model's parameters become views of it: a weight update (an
   in-place copy into the parameters) lands in the fused tensor, nothing is copied per step, and
   no memory is added;
@@ -126,19 +126,36 @@ def fuse(params: list[nn.Parameter]) -> torch.Tensor:
     return fused
 
 
-@functools.cache
-def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs here on this dtype and matches per-group GEMMs."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x, w = torch.randn(5, 8, device=device, dtype=dtype), torch.randn(3, 8, 4, device=device, dtype=dtype)
-        offs = torch.tensor([2, 2, 5], device=device, dtype=torch.int32)
-        got = torch._grouped_mm(x, w, offs=offs)
-        want = torch.cat([x[:2] @ w[0], x[2:] @ w[2]])
-        return bool(torch.allclose(got, want, atol=1e-4))
-    except (RuntimeError, NotImplementedError):
-        return False
+def expert_mlp(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The experts' SwiGLU MLPs on the rows of x that chose them, summed with the routing
+    weights: x (B, hidden), chosen and weights (B, K), gate_up (E, 2I, hidden), down (E, hidden, I)
+    -> (B, hidden).
+
+    Rows are sorted by expert and laid out in an (E, C, hidden) batch, C the busiest expert's
+    count (the rest of each expert's C rows repeat row 0 and are never read back), so each
+    projection is one `bmm` with no Python loop over experts. At decode sizes this is about
+    twice as fast as CPU `torch._grouped_mm` (a loop of per-group GEMMs plus slicing), and each
+    row's result has the bits of `F.linear` on that row alone (tests/test_fast_decode.py).
+    """
+    B, K = chosen.shape
+    E, inner = down.shape[0], down.shape[-1]
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // K
+    counts = torch.bincount(flat, minlength=E)
+    capacity = int(counts.max())
+    expert = flat.index_select(0, order)  # each sorted row's expert
+    start = counts.cumsum(0).sub_(counts)
+    place = torch.arange(B * K, device=x.device).sub_(start.index_select(0, expert)).add_(expert * capacity)
+    source = torch.zeros(E * capacity, dtype=torch.long, device=x.device).index_copy_(0, place, token)
+    batch = x.index_select(0, source).view(E, capacity, -1)
+    gu = torch.bmm(batch, gate_up.transpose(1, 2))
+    act = F.silu(gu[..., :inner]).mul_(gu[..., inner:])
+    y = torch.bmm(act, down.transpose(1, 2)).view(E * capacity, -1).index_select(0, place)
+    y = y.mul_(weights.to(x.dtype).reshape(-1).index_select(0, order)[:, None])
+    return torch.zeros_like(x).index_add_(0, token, y)  # in the forward's order of summation
 
 
 @functools.cache
@@ -258,7 +275,6 @@ class FastDecoder:
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.grouped = _grouped_mm_works(weight.device, weight.dtype)
 
     def intact(self) -> bool:
         return all(layer.intact() for layer in self.layers)
@@ -331,27 +347,7 @@ class FastDecoder:
         weights, chosen = probs.topk(moe.top_k, dim=-1)
         if moe.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        flat = chosen.reshape(-1)
-        order = flat.argsort(stable=True)
-        token = order // moe.top_k
-        counts = torch.bincount(flat, minlength=moe.num_experts)
-        rows = x.index_select(0, token)
-        inner = layer.down.shape[-1]
-        if self.grouped:
-            offs = counts.cumsum(0).to(torch.int32)
-            gu = torch._grouped_mm(rows, layer.gate_up.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(
-                F.silu(gu[:, :inner]) * gu[:, inner:], layer.down.transpose(1, 2), offs=offs
-            )
-        else:
-            outs = []
-            for e, part in enumerate(rows.split(counts.tolist())):
-                if part.shape[0]:
-                    gu = F.linear(part, layer.gate_up[e])
-                    outs.append(F.linear(F.silu(gu[:, :inner]) * gu[:, inner:], layer.down[e]))
-            y = torch.cat(outs)
-        y = y * weights.to(x.dtype).reshape(-1)[order, None]
-        out = torch.zeros_like(x).index_add_(0, token, y)  # (x + experts) in the forward's order
+        out = expert_mlp(x, chosen, weights, layer.gate_up, layer.down)
         if moe.shared_expert is not None:
             out = out + moe._shared(x)
         return h + out, chosen
