@@ -1,7 +1,8 @@
 """Physical limits of one decode step on this machine, measured in the same run as the engine.
 
 - bandwidth bound: the bytes a step must read (every weight once, plus the filled KV cache) at
-  the copy bandwidth of a 256 MB tensor;
+  the machine's memory bandwidth: the faster of a 256 MB copy (read + write counted) and a
+  256 MB sum (a read alone, which is what a decode step does to its weights);
 - GEMM bound: the step's matrix multiplies alone (q/k/v and gate/up fused, experts on a balanced
   share of the rows), run back to back over the model's own weights, so cache misses count; the
   faster of plain `F.linear` and MKL's packed GEMM (weights packed beforehand, not timed).
@@ -34,6 +35,25 @@ def copy_bandwidth() -> float:
         b.copy_(a)
         best = min(best, time.perf_counter() - t0)
     return 2 * a.numel() * 4 / best
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of summing a 256 MB tensor (one read of every byte), best of 5."""
+    a = torch.ones(64 * 1024**2, dtype=torch.float32)
+    a.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best
+
+
+def memory_bandwidth() -> tuple[float, float, float]:
+    """(the bandwidth the bound uses, copy, read): the faster of the two, so the bound stays a
+    limit whichever way this machine moves bytes faster."""
+    copy, read = copy_bandwidth(), read_bandwidth()
+    return max(copy, read), copy, read
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -100,7 +120,7 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
 
 @dataclass
 class Bound:
-    bandwidth_s: float  # seconds per step at the copy bandwidth
+    bandwidth_s: float  # seconds per step at the memory bandwidth
     gemm_s: float  # seconds per step of the GEMMs alone
 
     @property

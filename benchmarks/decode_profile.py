@@ -15,7 +15,7 @@ import argparse
 import time
 
 import torch
-from decode_bound import copy_bandwidth, decode_bound, kv_bytes, weight_bytes
+from decode_bound import decode_bound, kv_bytes, memory_bandwidth, weight_bytes
 from torch.profiler import ProfilerActivity, profile
 
 from miles.models import registry
@@ -78,8 +78,8 @@ def main() -> None:
     parser.add_argument("--path", choices=list(PATHS), default="packed", help="the engine's decode step")
     args = parser.parse_args()
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
+    bandwidth = memory_bandwidth()[0]
+    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
     cases = [("tiny", 64), ("smollm2", 1), ("smollm2", 16)]
     for spec, batch in cases:
         if args.only in (None, spec):

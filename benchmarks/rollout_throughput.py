@@ -15,8 +15,8 @@ sides alternating. Two workloads:
   slots and refills a slot as soon as its request ends (continuous batching).
 
 "bound" is the decode-only throughput at the batch size that the tighter of two limits allows:
-every weight and the filled KV cache read once per step at the measured copy bandwidth, or the
-step's GEMMs alone. The measured throughput includes the prefill, so the fraction is conservative.
+every weight and the filled KV cache read once per step at the measured memory bandwidth (the
+faster of a copy and a read), or the step's GEMMs alone. The measured throughput includes the prefill, so the fraction is conservative.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 
 import torch
 import transformers
-from decode_bound import copy_bandwidth, decode_bound
+from decode_bound import decode_bound, memory_bandwidth
 
 from miles.models import registry, save_model
 from miles.rollout import Engine, Request, SamplingParams
@@ -164,10 +164,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
     args = parser.parse_args()
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth, copy_bw, read_bw = memory_bandwidth()
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (copy {copy_bw / 1e9:.1f}, read {read_bw / 1e9:.1f})"
     )
     if args.only in (None, "tiny"):
         bench(

@@ -15,6 +15,7 @@ from miles.models import load_model, save_model
 from miles.models.routing import RoutingOptions, apply_routing
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.fast_decode import FastDecoder, PackedLinear, expert_mlp, fuse, mkl_packing_works
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear
 from miles.rollout.sampling import gumbel_noise
 from tests.conftest import ARCHS, random_model
 
@@ -181,9 +182,10 @@ def test_gumbel_noise_is_the_per_request_draw():
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler"
 )
 def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
-    """--rollout-compile: the same greedy tokens and log-probs within fp32 rounding of fused
-    kernels; the dense MoE form records the same experts; a weight update changes the outputs
-    without compiling again (weights are graph inputs)."""
+    """--rollout-compile (4 slots: the few-row products; experts through the sparse custom op):
+    the same greedy tokens and log-probs within fp32 rounding of fused kernels, the same experts
+    recorded; a weight update changes the outputs without compiling again (weights are graph
+    inputs)."""
     import torch._dynamo
 
     model = random_model("qwen3_moe", seed=4)
@@ -213,5 +215,18 @@ def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
     after = agree()
     assert [s.tokens for s in after] != [s.tokens for s in before]
     assert (len(compiled._fast.steps), torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compiles
-    many = random_model("qwen3_moe", seed=4, num_experts=16)  # 16 experts for top-2: not densely
-    assert "not compiled" in Engine(many, max_batch_size=2, max_seq_len=32, compile_decode=True).decode_path
+    shared = random_model("qwen2_moe", seed=4)
+    assert "not compiled" in Engine(shared, max_batch_size=2, max_seq_len=32, compile_decode=True).decode_path
+
+
+def test_the_compiled_steps_few_row_product_is_f_linear():
+    """At up to GEMV_ROWS rows the compiled step writes each projection as a multiply and a sum
+    (inductor reads the weight once); the same product as F.linear, bias included."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    for rows in range(1, GEMV_ROWS + 1):
+        x = torch.randn(rows, 40, generator=gen)
+        assert _linear(rows) is not F.linear
+        assert torch.allclose(_linear(rows)(x, w, b), F.linear(x, w, b), atol=1e-5)
+        assert torch.allclose(_linear(rows)(x, w), F.linear(x, w), atol=1e-5)
+    assert _linear(GEMV_ROWS + 1) is F.linear

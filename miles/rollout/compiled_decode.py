@@ -11,8 +11,18 @@ keeps the GEMMs on MKL. Measured (benchmarks/compiled_decode.py, 2 cores): the t
   forward's (logits differ by ~3e-5). `train_rollout_logprob_abs_diff` reports the gap, and
   tests/test_fast_decode.py bounds it;
 - fixed shapes: every step runs all engine slots (free ones as dummies) over the bucket's
-  positions; MoE experts run densely (each expert on every row, weighted by the routing), so
-  it is offered only where experts per token over experts is at most 1/4 (DENSE_EXPERTS).
+  positions.
+
+What inductor is given, and why:
+- MoE experts stay sparse: the expert MLP (`fast_decode.expert_mlp`, a padded batch per expert
+  whose size depends on the routing) is an opaque custom op (`miles::expert_mlp`) inside the
+  graph; inductor fuses the router's softmax and top-k around it;
+- at a handful of rows (`GEMV_ROWS`), every projection is written as a broadcast multiply and
+  a sum over the input dimension, which inductor turns into one vectorized loop that reads each
+  weight once at close to the copy bandwidth; MKL's GEMV reads at well under it on these CPUs
+  (docs/performance.md);
+- the attention stays two batched GEMMs around a fused softmax (written as a multiply and a sum
+  it measured no faster).
 
 Weights are inputs of the compiled graph, not constants: a weight update (an in-place copy into
 the parameters, hence into the fused tensors) needs no recompilation.
@@ -30,12 +40,36 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput
-from miles.rollout.fast_decode import FastDecoder, apply_rope, cache_rows, rms_norm, rope_tables
+from miles.rollout.fast_decode import FastDecoder, apply_rope, cache_rows, expert_mlp, rms_norm, rope_tables
 
 log = logging.getLogger("miles")
 
 LENGTH_BUCKET = 128  # KV positions per compiled shape
-DENSE_EXPERTS = 4  # at most this many experts per chosen expert for the dense MoE form
+GEMV_ROWS = 4  # up to this many rows, projections are a multiply and a sum (bandwidth-bound)
+
+
+@torch.library.custom_op("miles::expert_mlp", mutates_args=())
+def _expert_mlp_op(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    return expert_mlp(x, chosen, weights, gate_up, down)
+
+
+@_expert_mlp_op.register_fake
+def _(x, chosen, weights, gate_up, down):
+    return torch.empty_like(x)
+
+
+def _linear(rows: int) -> Callable:
+    """F.linear, or at up to GEMV_ROWS rows the same product as a multiply and a sum."""
+    if rows > GEMV_ROWS:
+        return F.linear
+
+    def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = (x[:, None, :] * w[None]).sum(-1)
+        return y if bias is None else y + bias
+
+    return gemv
 
 
 def compile_unsupported(decoder: FastDecoder) -> str | None:
@@ -44,12 +78,8 @@ def compile_unsupported(decoder: FastDecoder) -> str | None:
     if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         return "no C++ compiler on PATH (inductor compiles the CPU step with one)"
     for layer in decoder.layers:
-        if layer.moe:
-            moe = layer.mlp
-            if moe.shared_expert is not None:
-                return "a shared expert (Qwen2-MoE)"
-            if moe.num_experts > DENSE_EXPERTS * moe.top_k:
-                return f"{moe.num_experts} experts for top-{moe.top_k}: the dense form would waste too much"
+        if layer.moe and layer.mlp.shared_expert is not None:
+            return "a shared expert (Qwen2-MoE)"
     return None
 
 
@@ -66,9 +96,7 @@ def _weights(decoder: FastDecoder) -> list[dict[str, torch.Tensor]]:
         if attn.qk_norm:
             w["q_norm"], w["k_norm"] = attn.q_norm.weight, attn.k_norm.weight
         if layer.moe:
-            experts, inner = layer.down.shape[0], layer.down.shape[-1]
-            w["router"], w["down"] = layer.mlp.gate.weight, layer.down
-            w["gate_up"] = layer.gate_up.view(experts * 2 * inner, -1)
+            w["router"], w["down"], w["gate_up"] = layer.mlp.gate.weight, layer.down, layer.gate_up
         else:
             w["gate_up"], w["down"] = layer.gate_up, layer.down
         out.append(w)
@@ -81,6 +109,9 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
     H, KV, D, eps = decoder.heads, decoder.kv_heads, decoder.head_dim, cfg.rms_norm_eps
     top_k, normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
+    linear = _linear(slots)
+    G = H // KV
+
     def step(ids, positions, keys, values, weights, embed, final_norm, lm_head, inv_freq):
         cos, signed_sin = rope_tables(positions, inv_freq)
         visible = (torch.arange(length)[None, :] <= positions[:, None]).view(slots, 1, 1, length)
@@ -88,7 +119,7 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
         h = F.embedding(ids, embed)
         routed = []
         for i, w in enumerate(weights):
-            qkv = F.linear(rms_norm(h, w["in_norm"], eps), w["qkv"], w.get("qkv_bias")).view(
+            qkv = linear(rms_norm(h, w["in_norm"], eps), w["qkv"], w.get("qkv_bias")).view(
                 slots, H + 2 * KV, D
             )
             qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
@@ -100,27 +131,25 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
             q, k = qk[:, :H], qk[:, H:]
             keys[i].view(-1, D).index_copy_(0, rows, k.reshape(slots * KV, D))
             values[i].view(-1, D).index_copy_(0, rows, v.reshape(slots * KV, D))
-            K, V = keys[i][:, :, :length], values[i][:, :, :length]
-            scores = torch.matmul(q.reshape(slots, KV, H // KV, D), K.transpose(-1, -2)) * D**-0.5
+            K, V = keys[i][:, :, :length], values[i][:, :, :length]  # (slots, KV, S, D)
+            # one query per row: products and sums that inductor fuses with the softmax
+            scores = torch.matmul(q.reshape(slots, KV, G, D), K.transpose(-1, -2)) * D**-0.5
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-            h = h + F.linear(torch.matmul(probs, V).reshape(slots, H * D), w["o"], w.get("o_bias"))
+            attn = torch.matmul(probs, V)
+            h = h + linear(attn.reshape(slots, H * D), w["o"], w.get("o_bias"))
             x = rms_norm(h, w["post_norm"], eps)
-            if "router" in w:  # every expert on every row, weighted by the top-k routing
-                experts, inner = w["down"].shape[0], w["down"].shape[-1]
-                p = torch.softmax(F.linear(x, w["router"]).float(), dim=-1)
+            if "router" in w:
+                p = torch.softmax(linear(x, w["router"]).float(), dim=-1)
                 chosen_p, chosen = p.topk(top_k, dim=-1)
                 if normalize:
                     chosen_p = chosen_p / chosen_p.sum(-1, keepdim=True)
-                dense = torch.zeros(slots, experts, dtype=x.dtype).scatter(1, chosen, chosen_p.to(x.dtype))
-                gu = F.linear(x, w["gate_up"]).view(slots, experts, 2 * inner)
-                act = F.silu(gu[..., :inner]) * gu[..., inner:] * dense[:, :, None]
-                h = h + torch.bmm(act.transpose(0, 1), w["down"].transpose(1, 2)).sum(0)
+                h = h + torch.ops.miles.expert_mlp(x, chosen, chosen_p, w["gate_up"], w["down"])
                 routed.append(chosen)
             else:
                 inner = w["down"].shape[1]
-                gu = F.linear(x, w["gate_up"])
-                h = h + F.linear(F.silu(gu[:, :inner]) * gu[:, inner:], w["down"])
-        logits = F.linear(rms_norm(h, final_norm, eps), lm_head).float()
+                gu = linear(x, w["gate_up"])
+                h = h + linear(F.silu(gu[:, :inner]) * gu[:, inner:], w["down"])
+        logits = linear(rms_norm(h, final_norm, eps), lm_head).float()
         return logits, (torch.stack(routed, dim=1) if routed else None)
 
     return step
