@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from miles.models import load_model, save_model
 from miles.models.routing import RoutingOptions, apply_routing
 from miles.rollout import Engine, Request, SamplingParams
-from miles.rollout.fast_decode import FastDecoder, PackedLinear, expert_mlp, fuse, mkl_packing_works
 from miles.rollout.compiled_decode import GEMV_ROWS, _linear
+from miles.rollout.fast_decode import FastDecoder, PackedLinear, expert_mlp, fuse, mkl_packing_works
 from miles.rollout.sampling import gumbel_noise
 from tests.conftest import ARCHS, random_model
 
