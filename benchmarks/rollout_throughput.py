@@ -159,7 +159,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["tiny", "smollm2"], help="run one model only")
+    parser.add_argument(
+        "--only",
+        choices=["tiny", "smollm2", "smollm2-16", "smollm2-1"],
+        help="one model (or one SmolLM2 batch) only",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
     parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
     args = parser.parse_args()
@@ -179,11 +183,12 @@ def main() -> None:
             bandwidth=bandwidth,
             compiled=args.compile,
         )
-    if args.only in (None, "smollm2"):
+    if args.only in (None, "smollm2", "smollm2-16"):
         bench(
             "SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth,
             compiled=args.compile,
         )  # fmt: skip
+    if args.only in (None, "smollm2", "smollm2-1"):
         bench(
             "SmolLM2",
             "smollm2",

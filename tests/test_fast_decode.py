@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from miles.models import load_model, save_model
 from miles.models.routing import RoutingOptions, apply_routing
-from miles.rollout import Engine, Request, SamplingParams
-from miles.rollout.compiled_decode import GEMV_ROWS, _linear
+from miles.rollout import Engine, Request, SamplingParams, fast_decode
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear, _own_code
 from miles.rollout.fast_decode import FastDecoder, PackedLinear, expert_mlp, fuse, mkl_packing_works
 from miles.rollout.sampling import gumbel_noise
 from tests.conftest import ARCHS, random_model
@@ -65,9 +65,12 @@ def test_lean_step_equals_the_general_forward(arch, packed):
             assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
 
 
-def test_expert_mlp_equals_each_expert_on_its_own_rows():
-    """The padded-batch expert MLP against a loop over experts with F.linear, on routings where
-    experts get no rows, one row, or every row."""
+@pytest.mark.parametrize("padding_limit", [float("inf"), 0.0], ids=["padded", "per-expert"])
+def test_expert_mlp_equals_each_expert_on_its_own_rows(padding_limit, monkeypatch):
+    """Both forms of the expert MLP (one padded batch; each expert on its own rows, for a skewed
+    load) against each row through its experts one by one, on routings where experts get no
+    rows, one row, or every row."""
+    monkeypatch.setattr(fast_decode, "PADDING_LIMIT", padding_limit)
     gen = torch.Generator().manual_seed(0)
     E, hidden, inner, K = 5, 16, 8, 2
     gate_up, down = (
@@ -230,3 +233,22 @@ def test_the_compiled_steps_few_row_product_is_f_linear():
         assert torch.allclose(_linear(rows)(x, w, b), F.linear(x, w, b), atol=1e-5)
         assert torch.allclose(_linear(rows)(x, w), F.linear(x, w), atol=1e-5)
     assert _linear(GEMV_ROWS + 1) is F.linear
+
+
+def test_each_compiled_step_has_its_own_dynamo_cache():
+    """Step functions share one code object; dynamo caches graphs per code object and, past its
+    recompile limit (8), silently runs the function eager. Each step gets a code object of its
+    own, so a twelfth bucket (or engine) still compiles."""
+    import torch._dynamo
+
+    def make(n: int):
+        def step(x):
+            return x * n + 1
+
+        return step
+
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    x = torch.ones(3)
+    for n in range(12):
+        assert torch.equal(torch.compile(_own_code(make(n)), backend="eager")(x), x * n + 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 12

@@ -30,9 +30,11 @@ the parameters, hence into the fused tensors) needs no recompilation.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -45,6 +47,7 @@ from miles.rollout.fast_decode import FastDecoder, apply_rope, cache_rows, exper
 log = logging.getLogger("miles")
 
 LENGTH_BUCKET = 128  # KV positions per compiled shape
+_step_ids = itertools.count()
 GEMV_ROWS = 4  # up to this many rows, projections are a multiply and a sum (bandwidth-bound)
 
 
@@ -155,6 +158,15 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
     return step
 
 
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own. Dynamo keeps its compiled graphs per code object, and
+    every step function shares one: engines, batch sizes and length buckets would pile up on
+    it, each call would test their guards in turn, and past dynamo's recompile limit (8) the
+    step would silently fall back to eager."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_step_ids)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class CompiledDecode:
     """`FastDecoder`'s step compiled per KV-length bucket; called like it."""
 
@@ -174,7 +186,9 @@ class CompiledDecode:
 
     def _step(self, length: int) -> Callable:
         if length not in self.steps:
-            self.steps[length] = torch.compile(_step_function(self.decoder, self.slots, self.max_len, length))
+            self.steps[length] = torch.compile(
+                _own_code(_step_function(self.decoder, self.slots, self.max_len, length))
+            )
         return self.steps[length]
 
     @torch.inference_mode()
@@ -184,9 +198,11 @@ class CompiledDecode:
         if need > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} positions; position {need - 1} asked")
         length = min(cache.max_len, -(-need // LENGTH_BUCKET) * LENGTH_BUCKET)
-        if B < self.slots:  # free slots run a dummy token at position 0, as in the engine's span
-            pad = self.slots - B
-            ids, positions = F.pad(ids, (0, pad)), F.pad(positions, (0, pad))
+        # free slots run a dummy token at position 0, as in the engine's span; padded even by 0
+        # rows, so the inputs are always made here under inference mode (a tensor made outside
+        # carries another dispatch key, and dynamo would compile the step again for it)
+        pad = self.slots - B
+        ids, positions = F.pad(ids, (0, pad)), F.pad(positions, (0, pad))
         new = length not in self.steps
         t0 = time.perf_counter()
         logits, routed = self._step(length)(ids, positions, cache.keys, cache.values, *self.inputs)

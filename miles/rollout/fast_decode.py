@@ -126,6 +126,9 @@ def fuse(params: list[nn.Parameter]) -> torch.Tensor:
     return fused
 
 
+PADDING_LIMIT = 2.0  # the padded batch may hold at most this many rows per routed row
+
+
 def expert_mlp(
     x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -133,11 +136,12 @@ def expert_mlp(
     weights: x (B, hidden), chosen and weights (B, K), gate_up (E, 2I, hidden), down (E, hidden, I)
     -> (B, hidden).
 
-    Rows are sorted by expert and laid out in an (E, C, hidden) batch, C the busiest expert's
-    count (the rest of each expert's C rows repeat row 0 and are never read back), so each
-    projection is one `bmm` with no Python loop over experts. At decode sizes this is about
-    twice as fast as CPU `torch._grouped_mm` (a loop of per-group GEMMs plus slicing), and each
-    row's result has the bits of `F.linear` on that row alone (tests/test_fast_decode.py).
+    Rows are sorted by expert. When the load is even enough (the padded batch at most
+    PADDING_LIMIT times the routed rows) they are laid out in an (E, C, hidden) batch, C the
+    busiest expert's count (the rest of each expert's C rows repeat row 0 and are never read
+    back), so each projection is one `bmm` and no Python loop runs over experts: at decode sizes
+    about twice as fast as CPU `torch._grouped_mm`, itself a loop of per-group GEMMs. A skewed
+    load would multiply the work instead, so then each expert runs on its own rows.
     """
     B, K = chosen.shape
     E, inner = down.shape[0], down.shape[-1]
@@ -146,14 +150,24 @@ def expert_mlp(
     token = order // K
     counts = torch.bincount(flat, minlength=E)
     capacity = int(counts.max())
-    expert = flat.index_select(0, order)  # each sorted row's expert
-    start = counts.cumsum(0).sub_(counts)
-    place = torch.arange(B * K, device=x.device).sub_(start.index_select(0, expert)).add_(expert * capacity)
-    source = torch.zeros(E * capacity, dtype=torch.long, device=x.device).index_copy_(0, place, token)
-    batch = x.index_select(0, source).view(E, capacity, -1)
-    gu = torch.bmm(batch, gate_up.transpose(1, 2))
-    act = F.silu(gu[..., :inner]).mul_(gu[..., inner:])
-    y = torch.bmm(act, down.transpose(1, 2)).view(E * capacity, -1).index_select(0, place)
+    if E * capacity <= PADDING_LIMIT * B * K:
+        expert = flat.index_select(0, order)  # each sorted row's expert
+        start = counts.cumsum(0).sub_(counts)
+        place = (
+            torch.arange(B * K, device=x.device).sub_(start.index_select(0, expert)).add_(expert * capacity)
+        )
+        source = torch.zeros(E * capacity, dtype=torch.long, device=x.device).index_copy_(0, place, token)
+        batch = x.index_select(0, source).view(E, capacity, -1)
+        gu = torch.bmm(batch, gate_up.transpose(1, 2))
+        act = F.silu(gu[..., :inner]).mul_(gu[..., inner:])
+        y = torch.bmm(act, down.transpose(1, 2)).view(E * capacity, -1).index_select(0, place)
+    else:
+        outs = []
+        for e, rows in enumerate(x.index_select(0, token).split(counts.tolist())):
+            if rows.shape[0]:
+                gu = F.linear(rows, gate_up[e])
+                outs.append(F.linear(F.silu(gu[:, :inner]).mul_(gu[:, inner:]), down[e]))
+        y = torch.cat(outs)
     y = y.mul_(weights.to(x.dtype).reshape(-1).index_select(0, order)[:, None])
     return torch.zeros_like(x).index_add_(0, token, y)  # in the forward's order of summation
 
