@@ -5,7 +5,8 @@
   256 MB sum (a read alone, which is what a decode step does to its weights);
 - GEMM bound: the step's matrix multiplies alone (q/k/v and gate/up fused, experts on a balanced
   share of the rows), run back to back over the model's own weights, so cache misses count; the
-  faster of plain `F.linear` and MKL's packed GEMM (weights packed beforehand, not timed).
+  fastest of plain `F.linear`, MKL's packed GEMM (weights packed beforehand, not timed) and, at
+  a few rows, the compiled step's multiply-and-sum form (compiled beforehand, not timed).
 
 The tighter bound is the larger of the two times. Used by rollout_throughput.py and
 decode_profile.py.
@@ -13,6 +14,7 @@ decode_profile.py.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear
 from miles.rollout.fast_decode import mkl_packing_works
 
 
@@ -96,8 +99,14 @@ def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torc
     return out
 
 
+def compile_unsupported_here() -> str | None:
+    """Why inductor cannot compile on this CPU (None: it can)."""
+    return None if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else "no C++ compiler"
+
+
 def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
-    """Median time of one decode step's GEMMs alone, back to back: plain or packed, the faster."""
+    """Median time of one decode step's GEMMs alone, back to back: plain F.linear, MKL-packed, or
+    (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form, the fastest."""
     work = _step_gemms(model, batch)
     runs = {"plain": [lambda x=x, w=w: F.linear(x, w) for x, w in work]}
     if batch > 1 and mkl_packing_works(torch.device("cpu"), torch.float32):
@@ -105,6 +114,13 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
         runs["packed"] = [
             lambda x=x, w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0]) for x, w, p in packed
         ]
+    if batch <= GEMV_ROWS and compile_unsupported_here() is None:
+        # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
+        # faster than MKL's GEMV on some CPUs, so the bound has to count it
+        products = torch.compile(lambda pairs: [_linear(batch)(x, w) for x, w in pairs])
+        with torch.no_grad():
+            products(work)  # compiles, not timed
+        runs["compiled multiply-sum"] = [lambda: products(work)]
     best = float("inf")
     with torch.no_grad():
         for calls in runs.values():
