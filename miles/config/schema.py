@@ -77,20 +77,21 @@ class RolloutSection:
     rollout_seed: int = option(0, "engine sampling seed", bounds="[0, inf)")
     rollout_lean_decode: bool = option(
         True,
-        "decode with the engine's lean one-token step (fused q/k/v, gate/up and expert GEMMs; same bits as the "
-        "model's forward); off: the general forward, for A/B checks. Steps aside by itself for FP8/INT4 layers, "
+        "decode with the engine's lean one-token step (fused q/k/v, gate/up and expert GEMMs; the model's "
+        "forward to within a few fp32 ulps); off: the general forward, for A/B checks. Steps aside by itself for FP8/INT4 layers, "
         "batch-invariant routing, expert capacity and sharded experts",
     )
     rollout_compile: bool = option(
         False,
-        "compile the lean decode step whole with torch.compile: faster on CPU (tiny MoE 1.7x, SmolLM2 batch 1 "
-        "1.3x a step) after a compile of 10-40 s per 128 KV positions; log-probs then differ from the trainer's "
-        "by fp32 rounding (~1e-5), as train_rollout_logprob_abs_diff shows",
+        "compile the lean decode step whole with torch.compile (needs a C++ compiler on CPU): faster on CPU, "
+        "most at 1-4 requests, where each projection reads its weight at memory speed (SmolLM2 batch 1 about "
+        "2.5x a step); 10-80 s of compilation per 128 KV positions, cached across runs; log-probs then differ "
+        "from the trainer's by fp32 rounding (~1e-5), as train_rollout_logprob_abs_diff shows",
     )
     rollout_packed_gemm: bool = option(
         True,
-        "CPU with MKL: run the lean step's full-batch projections on weights packed once for MKL's GEMM (same "
-        "bits, faster at small batches; the packed copies take about 3x those weights' memory)",
+        "CPU with MKL: run the lean step's full-batch projections on weights packed once for MKL's GEMM (the "
+        "bits of F.linear or one ulp off, by CPU; faster at small batches; the packed copies take about 3x those weights' memory)",
     )
     over_sampling_batch_size: int | None = option(
         None,
