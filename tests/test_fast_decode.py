@@ -20,6 +20,13 @@ from miles.rollout.sampling import gumbel_noise
 from tests.conftest import ARCHS, random_model
 
 
+@pytest.fixture(autouse=True)
+def pack_wherever_mkl_can(monkeypatch):
+    """The engine packs only where packing measures faster on this CPU; here the packed path is
+    exercised on every CPU with MKL."""
+    monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape: True)
+
+
 def mixed_requests(n: int, seed: int = 0) -> list[Request]:
     """Prompts of different lengths (so rows sit at different positions and masks matter)."""
     gen = torch.Generator().manual_seed(seed)
@@ -66,11 +73,15 @@ def test_lean_step_equals_the_general_forward(arch, packed):
 
 
 @pytest.mark.parametrize("padding_limit", [float("inf"), 0.0], ids=["padded", "per-expert"])
-def test_expert_mlp_equals_each_expert_on_its_own_rows(padding_limit, monkeypatch):
-    """Both forms of the expert MLP (one padded batch; each expert on its own rows, for a skewed
-    load) against each row through its experts one by one, on routings where experts get no
-    rows, one row, or every row."""
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_expert_mlp_equals_each_expert_on_its_own_rows(padding_limit, grouped, monkeypatch):
+    """Every form of the expert MLP (one padded batch; each expert on its own rows, for a skewed
+    load, by torch._grouped_mm or a Python loop) against each row through its experts one by
+    one, on routings where experts get no rows, one row, or every row."""
+    if grouped and not fast_decode._grouped_mm_works(torch.device("cpu"), torch.float32):
+        pytest.skip("torch._grouped_mm does not run here")
     monkeypatch.setattr(fast_decode, "PADDING_LIMIT", padding_limit)
+    monkeypatch.setattr(fast_decode, "_grouped_mm_works", lambda device, dtype: grouped)
     gen = torch.Generator().manual_seed(0)
     E, hidden, inner, K = 5, 16, 8, 2
     gate_up, down = (
@@ -158,6 +169,14 @@ def test_packed_linear_equals_f_linear_and_repacks_on_change():
     assert torch.allclose(packed(x), torch.nn.functional.linear(x, weight), atol=1e-5)
     other = torch.randn(3, 64)  # another row count: plain F.linear
     assert torch.equal(packed(other), torch.nn.functional.linear(other, weight))
+
+
+def test_packing_is_left_off_where_it_measures_slower(monkeypatch):
+    monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape: False)
+    engine = Engine(random_model("qwen3", seed=1), max_batch_size=4, max_seq_len=32)
+    assert engine._fast.packed_rows is None and "measured no faster" in engine.decode_path
+    engine.generate(mixed_requests(4))
+    assert engine._fast.packed_bytes == 0
 
 
 def test_lean_step_steps_aside_where_it_cannot_run():

@@ -117,6 +117,8 @@ class Engine:
         self._fast = FastDecoder(self.model, self.slots if self.packed_gemm else None)
         packed = self._fast.packed_rows
         self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
+        if self._fast.packing_note:
+            self.decode_path += f" ({self._fast.packing_note})"
         if self.compile_decode:
             why_not = compile_unsupported(self._fast)
             if why_not is None:

@@ -27,6 +27,8 @@ experts). Its logits equal the general forward's bitwise on the models tested
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 import torch.nn as nn
@@ -126,6 +128,21 @@ def fuse(params: list[nn.Parameter]) -> torch.Tensor:
     return fused
 
 
+@functools.cache
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs here on this dtype and matches per-group GEMMs."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x, w = torch.randn(5, 8, device=device, dtype=dtype), torch.randn(3, 8, 4, device=device, dtype=dtype)
+        offs = torch.tensor([2, 2, 5], device=device, dtype=torch.int32)
+        got = torch._grouped_mm(x, w, offs=offs)
+        want = torch.cat([x[:2] @ w[0], x[2:] @ w[2]])
+        return bool(torch.allclose(got, want, atol=1e-4))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 PADDING_LIMIT = 2.0  # the padded batch may hold at most this many rows per routed row
 
 
@@ -140,8 +157,9 @@ def expert_mlp(
     PADDING_LIMIT times the routed rows) they are laid out in an (E, C, hidden) batch, C the
     busiest expert's count (the rest of each expert's C rows repeat row 0 and are never read
     back), so each projection is one `bmm` and no Python loop runs over experts: at decode sizes
-    about twice as fast as CPU `torch._grouped_mm`, itself a loop of per-group GEMMs. A skewed
-    load would multiply the work instead, so then each expert runs on its own rows.
+    with an even load, about 1.5x faster than CPU `torch._grouped_mm` (a C++ loop of per-group
+    GEMMs). A skewed load would multiply the padded work, so then each expert runs on its own
+    rows: `torch._grouped_mm` where it runs, else a Python loop.
     """
     B, K = chosen.shape
     E, inner = down.shape[0], down.shape[-1]
@@ -161,6 +179,10 @@ def expert_mlp(
         gu = torch.bmm(batch, gate_up.transpose(1, 2))
         act = F.silu(gu[..., :inner]).mul_(gu[..., inner:])
         y = torch.bmm(act, down.transpose(1, 2)).view(E * capacity, -1).index_select(0, place)
+    elif _grouped_mm_works(x.device, x.dtype):
+        rows, offs = x.index_select(0, token), counts.cumsum(0).to(torch.int32)
+        gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(F.silu(gu[:, :inner]).mul_(gu[:, inner:]), down.transpose(1, 2), offs=offs)
     else:
         outs = []
         for e, rows in enumerate(x.index_select(0, token).split(counts.tolist())):
@@ -185,6 +207,29 @@ def mkl_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
         )
     except (RuntimeError, AttributeError):
         return False
+
+
+@functools.cache
+def packing_pays(rows: int, shape: tuple[int, int], trials: int = 7) -> bool:
+    """Whether MKL's packed GEMM beats F.linear at `rows` rows on a weight of `shape` on this CPU
+    (median of `trials` interleaved timings, at least 10% faster). It does on some CPUs and is
+    slower on others (the AMD VM of docs/performance.md), so the engine measures it once."""
+    w, x = torch.randn(shape), torch.randn(rows, shape[1])
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+    calls = 3
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - t0
+
+    plain, fast = [], []
+    with torch.inference_mode():
+        for _ in range(trials):
+            plain.append(timed(lambda: F.linear(x, w)))
+            fast.append(timed(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows)))
+    return statistics.median(fast) < 0.9 * statistics.median(plain)
 
 
 class PackedLinear:
@@ -277,10 +322,16 @@ class FastDecoder:
             raise ValueError(f"the lean decode step cannot run this model: {reason}")
         self.model, cfg = model, model.config
         weight = model.lm_head.weight
+        self.packing_note = ""
         if packed_rows is not None and (
             packed_rows < 2 or not mkl_packing_works(weight.device, weight.dtype)
         ):
             packed_rows = None  # one row runs MKL's GEMV, which packs nothing
+        if packed_rows is not None:
+            attn = model.model.layers[0].self_attn
+            shape = (attn.q_proj.out_features + 2 * attn.k_proj.out_features, attn.q_proj.in_features)
+            if not packing_pays(packed_rows, shape):
+                packed_rows, self.packing_note = None, f"MKL packing measured no faster at {shape} here"
         self.packed_rows = packed_rows
         self.layers = [_Layer(layer, packed_rows) for layer in model.model.layers]
         self.lm_head = _plain(weight, [weight], packed_rows)
