@@ -241,6 +241,24 @@ def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
     assert "not compiled" in Engine(shared, max_batch_size=2, max_seq_len=32, compile_decode=True).decode_path
 
 
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler"
+)
+def test_compiled_step_keeps_many_experts_sparse():
+    """16 experts for top-2 (past DENSE_EXPERTS): the experts run through the opaque custom op
+    miles::expert_mlp inside the graph, and agree with the lean step; 6 slots: plain GEMMs."""
+    model = random_model("qwen3_moe", seed=5, num_experts=16)
+    greedy = [Request([9 + i, 4, 7, 3], SamplingParams(temperature=0, max_new_tokens=5)) for i in range(5)]
+    lean = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0)
+    compiled = Engine(model, max_batch_size=6, max_seq_len=64, seed=0, compile_decode=True)
+    assert compiled.decode_path.startswith("lean, compiled")
+    want, got = lean.generate(copy.deepcopy(greedy)), compiled.generate(copy.deepcopy(greedy))
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    gap = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x.rollout_log_probs, y.rollout_log_probs))
+    assert gap < 1e-4
+    assert all((x.rollout_routed_experts == y.rollout_routed_experts).all() for x, y in zip(got, want))
+
+
 def test_the_compiled_steps_few_row_product_is_f_linear():
     """At up to GEMV_ROWS rows the compiled step writes each projection as a multiply and a sum
     (inductor reads the weight once); the same product as F.linear, bias included."""
