@@ -70,83 +70,76 @@ def engine_cuda_vs_cpu(spec: str) -> None:
     )
 
 
-def lean_decode_on_cuda(spec: str) -> None:
-    """The engine's lean decode step on CUDA (fused GEMMs; grouped expert GEMM where the device
-    has it, a per-expert loop otherwise) against the general forward: same samples, and time."""
+def two_engines_on_cuda(spec: str, prompts_of, params_of, warm: int, **variants) -> tuple:
+    """Generate the same requests on two CUDA engines (`variants`: name -> Engine keyword
+    arguments): (samples and seconds per name, decode paths, identical samples, the largest
+    log-prob gap over identical samples). Each engine warms up on `warm` requests first."""
     from miles.models import registry
-    from miles.rollout import Engine, Request, SamplingParams
+    from miles.rollout import Engine, Request
 
     model, tok = registry.load(spec)
-    prompts = [tok.encode(f"Calculate {i} + {3 * i}.") for i in range(32)]
+    prompts = prompts_of(tok)
     out, seconds, paths = {}, {}, {}
-    for lean in (False, True):
-        engine = Engine(
-            copy.deepcopy(model).to("cuda"), tok, max_batch_size=32, max_seq_len=128, lean_decode=lean
-        )
-        paths[lean] = engine.decode_path
-        reqs = [
-            Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, seed=i, ignore_eos=True))
-            for i, p in enumerate(prompts)
-        ]
-        engine.generate(copy.deepcopy(reqs[:2]))  # warm-up
+    for name, kwargs in variants.items():
+        engine = Engine(copy.deepcopy(model).to("cuda"), tok, max_seq_len=128, **kwargs)
+        paths[name] = engine.decode_path
+        reqs = [Request(p, params_of(i)) for i, p in enumerate(prompts)]
+        engine.generate(copy.deepcopy(reqs[:warm]))  # warm-up (and compilation), not timed
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out[lean] = engine.generate(reqs)
+        out[name] = engine.generate(reqs)
         torch.cuda.synchronize()
-        seconds[lean] = time.perf_counter() - t0
-    same = sum(a.tokens == b.tokens for a, b in zip(out[False], out[True]))
+        seconds[name] = time.perf_counter() - t0
+    first, second = out.values()
+    same = sum(a.tokens == b.tokens for a, b in zip(first, second))
     gap = max(
         abs(x - y)
-        for a, b in zip(out[False], out[True])
+        for a, b in zip(first, second)
         if a.tokens == b.tokens
         for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)
     )
+    return seconds, paths, same, len(prompts), gap
+
+
+def lean_decode_on_cuda(spec: str) -> None:
+    """The engine's lean decode step on CUDA (fused GEMMs; padded expert batches) against the
+    general forward: same samples, and time."""
+    from miles.rollout import SamplingParams
+
+    seconds, paths, same, n, gap = two_engines_on_cuda(
+        spec,
+        lambda tok: [tok.encode(f"Calculate {i} + {3 * i}.") for i in range(32)],
+        lambda i: SamplingParams(temperature=1.0, max_new_tokens=24, seed=i, ignore_eos=True),
+        warm=2,
+        general=dict(max_batch_size=32, lean_decode=False),
+        lean=dict(max_batch_size=32),
+    )
     check(
         f"lean decode step {spec} on cuda vs the general forward",
-        paths[True].startswith("lean") and same >= len(prompts) - 2 and gap < 1e-4,
-        f"{paths[True]}; {same}/{len(prompts)} identical samples, logprob gap {gap:.2e}; "
-        f"{seconds[False]:.2f} s general, {seconds[True]:.2f} s lean",
+        paths["lean"].startswith("lean") and same >= n - 2 and gap < 1e-4,
+        f"{paths['lean']}; {same}/{n} identical samples, logprob gap {gap:.2e}; "
+        f"{seconds['general']:.2f} s general, {seconds['lean']:.2f} s lean",
     )
 
 
 def compiled_decode_on_cuda(spec: str, slots: int) -> None:
     """--rollout-compile on CUDA (inductor/triton; the few-row multiply-sum form at <= 4 slots,
-    the sparse expert custom op or dense experts) against the lean step: greedy tokens, gap, time."""
-    from miles.models import registry
-    from miles.rollout import Engine, Request, SamplingParams
+    dense or sparse experts) against the lean step: greedy tokens, gap, time."""
+    from miles.rollout import SamplingParams
 
-    model, tok = registry.load(spec)
-    prompts = [tok.encode(f"Calculate {i} + {2 * i}.") for i in range(2 * slots)]
-    out, seconds = {}, {}
-    for compiled in (False, True):
-        engine = Engine(
-            copy.deepcopy(model).to("cuda"),
-            tok,
-            max_batch_size=slots,
-            max_seq_len=128,
-            compile_decode=compiled,
-        )
-        reqs = [
-            Request(p, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)) for p in prompts
-        ]
-        engine.generate(copy.deepcopy(reqs))  # compiles (not timed)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out[compiled] = engine.generate(reqs)
-        torch.cuda.synchronize()
-        seconds[compiled] = time.perf_counter() - t0
-    same = sum(a.tokens == b.tokens for a, b in zip(out[False], out[True]))
-    gap = max(
-        abs(x - y)
-        for a, b in zip(out[False], out[True])
-        if a.tokens == b.tokens
-        for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)
+    seconds, paths, same, n, gap = two_engines_on_cuda(
+        spec,
+        lambda tok: [tok.encode(f"Calculate {i} + {2 * i}.") for i in range(2 * slots)],
+        lambda i: SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True),
+        warm=2 * slots,
+        lean=dict(max_batch_size=slots),
+        compiled=dict(max_batch_size=slots, compile_decode=True),
     )
     check(
         f"compiled decode step {spec} on cuda, {slots} slots, vs the lean step",
-        same >= len(prompts) - 1 and gap < 1e-3,
-        f"{same}/{len(prompts)} identical greedy samples, logprob gap {gap:.2e}; "
-        f"{seconds[False]:.2f} s lean, {seconds[True]:.2f} s compiled",
+        paths["compiled"].startswith("lean, compiled") and same >= n - 1 and gap < 1e-3,
+        f"{paths['compiled']}; {same}/{n} identical greedy samples, logprob gap {gap:.2e}; "
+        f"{seconds['lean']:.2f} s lean, {seconds['compiled']:.2f} s compiled",
     )
 
 
