@@ -2,11 +2,12 @@
 
 On a CPU the eager step costs about as much in per-operator overhead as in arithmetic
 (docs/performance.md); inductor fuses the elementwise work of a step into a few C++ loops and
-keeps the GEMMs on MKL. Measured (benchmarks/compiled_decode.py, 2 cores): the tiny MoE at batch
-64, 5.3 -> 3.2 ms a step; SmolLM2-135M at batch 1, 35.9 -> 27.8 ms. The price:
+keeps the larger GEMMs on MKL. Measured (docs/performance.md, 2 cores): the tiny MoE at batch 64,
+5.3 -> 3.2 ms a step on one VM; SmolLM2-135M at batch 1, 58.8 -> 21.6 ms on another, whose
+MKL GEMV is slow. The price:
 
-- compile time, once per KV-length bucket (`LENGTH_BUCKET` positions): about 10 s for the tiny
-  MoE and 40 s for SmolLM2 on 2 cores (inductor's cache makes later runs cheaper);
+- compile time, once per KV-length bucket (`LENGTH_BUCKET` positions): 5-20 s for the tiny MoE
+  and 25-85 s for SmolLM2 on 2 cores (inductor's cache brings a repeat down to a few seconds);
 - rounding: fused kernels round differently, so log-probs are no longer bitwise the general
   forward's (logits differ by ~3e-5). `train_rollout_logprob_abs_diff` reports the gap, and
   tests/test_fast_decode.py bounds it;
