@@ -16,14 +16,15 @@ MKL GEMV is slow. The price:
 
 What inductor is given, and why:
 - MoE experts: with few experts per chosen one (at most `DENSE_EXPERTS`, e.g. top-2 of 8) every
-  expert runs on every row, weighted by the routing, which inductor fuses and which measured
-  faster than any sparse form on a skewed load (tiny MoE: 1.75x vs 1.22-1.46x transformers);
+  expert runs on every row, weighted by the routing, which inductor fuses and which measured at
+  least as fast as the sparse form on the tiny MoE's skewed load (1.31-1.75x transformers over
+  the runs of docs/performance.md's third pass, sparse 1.22-1.46x);
   with more, the experts stay sparse: the expert MLP (`fast_decode.expert_mlp`, whose batch
   shape depends on the routing) is an opaque custom op (`miles::expert_mlp`) in the graph;
 - at a handful of rows (`GEMV_ROWS`), every projection is written as a broadcast multiply and
   a sum over the input dimension, which inductor turns into one vectorized loop that reads each
-  weight once at close to the copy bandwidth; MKL's GEMV reads at well under it on these CPUs
-  (docs/performance.md);
+  weight once at about the rate of a plain sum over memory; MKL's GEMV read at a third of that
+  on the CPU of docs/performance.md's third pass;
 - the attention stays two batched GEMMs around a fused softmax (written as a multiply and a sum
   it measured no faster).
 
@@ -139,7 +140,6 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
             keys[i].view(-1, D).index_copy_(0, rows, k.reshape(slots * KV, D))
             values[i].view(-1, D).index_copy_(0, rows, v.reshape(slots * KV, D))
             K, V = keys[i][:, :, :length], values[i][:, :, :length]  # (slots, KV, S, D)
-            # one query per row: products and sums that inductor fuses with the softmax
             scores = torch.matmul(q.reshape(slots, KV, G, D), K.transpose(-1, -2)) * D**-0.5
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             attn = torch.matmul(probs, V)

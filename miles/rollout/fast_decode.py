@@ -15,13 +15,15 @@ at the sizes RL rollout runs on a CPU its cost is the number of operators, not t
   RoPE on q and k together, and the step runs under `torch.inference_mode`;
 - on a CPU with MKL, the projections of a full batch (as many rows as the engine has slots) use
   weights packed once into MKL's GEMM layout (`PackedLinear`): unpacked, MKL packs the weight
-  again on every call, which is most of a small-batch GEMM. Packed results are bitwise those of
-  `F.linear`; the packed copies cost about three times the packed weights' memory.
+  again on every call, which is most of a small-batch GEMM. That pays on some CPUs and not on
+  others, so it is measured once (`packing_pays`). Packed results are `F.linear`'s bits or one
+  ulp off, by CPU; the packed copies cost about three times the packed weights' memory.
 
 The engine uses it when `unsupported(model)` is None and falls back to the general forward
 otherwise (FP8/INT4 layers, batch-invariant routing, expert capacity, sharded or offloaded
-experts). Its logits equal the general forward's bitwise on the models tested
-(tests/test_fast_decode.py); the measurements are in docs/performance.md.
+experts). Its logits equal the general forward's bitwise on dense models with plain GEMMs, and
+within a few fp32 ulps where a GEMM runs on another number of rows (the experts' batches) or on
+packed weights (tests/test_fast_decode.py); the measurements are in docs/performance.md.
 """
 
 from __future__ import annotations
