@@ -14,7 +14,6 @@ decode_profile.py.
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,33 +22,32 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
-from miles.rollout.compiled_decode import GEMV_ROWS, _linear
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
 from miles.rollout.fast_decode import mkl_packing_works
+
+
+def _best_seconds(fn, tries: int = 5) -> float:
+    """The fastest of `tries` timed calls, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def copy_bandwidth() -> float:
     """Bytes per second of a 256 MB tensor copy (read + write counted once each), best of 5."""
     a = torch.empty(64 * 1024**2, dtype=torch.float32)
     b = torch.empty_like(a)
-    b.copy_(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best
+    return 2 * a.numel() * 4 / _best_seconds(lambda: b.copy_(a))
 
 
 def read_bandwidth() -> float:
     """Bytes per second of summing a 256 MB tensor (one read of every byte), best of 5."""
     a = torch.ones(64 * 1024**2, dtype=torch.float32)
-    a.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() * 4 / best
+    return a.numel() * 4 / _best_seconds(a.sum)
 
 
 def memory_bandwidth() -> tuple[float, float, float]:
@@ -99,11 +97,6 @@ def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torc
     return out
 
 
-def compile_unsupported_here() -> str | None:
-    """Why inductor cannot compile on this CPU (None: it can)."""
-    return None if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else "no C++ compiler"
-
-
 def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
     """Median time of one decode step's GEMMs alone, back to back: plain F.linear, MKL-packed, or
     (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form, the fastest."""
@@ -114,7 +107,7 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
         runs["packed"] = [
             lambda x=x, w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0]) for x, w, p in packed
         ]
-    if batch <= GEMV_ROWS and compile_unsupported_here() is None:
+    if batch <= GEMV_ROWS and has_cpp_compiler():
         # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
         # faster than MKL's GEMV on some CPUs, so the bound has to count it
         products = torch.compile(lambda pairs: [_linear(batch)(x, w) for x, w in pairs])

@@ -5,7 +5,6 @@ fallback where it cannot run."""
 from __future__ import annotations
 
 import copy
-import shutil
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from miles.models import load_model, save_model
 from miles.models.routing import RoutingOptions, apply_routing
 from miles.rollout import Engine, Request, SamplingParams, fast_decode
-from miles.rollout.compiled_decode import GEMV_ROWS, _linear, _own_code
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear, _own_code, has_cpp_compiler
 from miles.rollout.fast_decode import FastDecoder, PackedLinear, expert_mlp, fuse, mkl_packing_works
 from miles.rollout.sampling import gumbel_noise
 from tests.conftest import ARCHS, random_model
@@ -200,14 +199,12 @@ def test_gumbel_noise_is_the_per_request_draw():
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler"
-)
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
 def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
-    """--rollout-compile (4 slots: the few-row products; experts through the sparse custom op):
-    the same greedy tokens and log-probs within fp32 rounding of fused kernels, the same experts
-    recorded; a weight update changes the outputs without compiling again (weights are graph
-    inputs)."""
+    """--rollout-compile (4 slots: the few-row products; 4 experts for top-2: the dense expert
+    form): the same greedy tokens and log-probs within fp32 rounding of fused kernels, the same
+    experts recorded; a weight update changes the outputs without compiling again (weights are
+    graph inputs)."""
     import torch._dynamo
 
     model = random_model("qwen3_moe", seed=4)
@@ -215,18 +212,7 @@ def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
     lean = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0)
     compiled = Engine(model, max_batch_size=4, max_seq_len=64, seed=0, compile_decode=True)
     assert compiled.decode_path.startswith("lean, compiled")
-
-    def agree() -> list:
-        want, got = lean.generate(copy.deepcopy(greedy)), compiled.generate(copy.deepcopy(greedy))
-        assert [s.tokens for s in got] == [s.tokens for s in want]
-        gap = max(
-            abs(a - b) for x, y in zip(got, want) for a, b in zip(x.rollout_log_probs, y.rollout_log_probs)
-        )
-        assert gap < 1e-4
-        assert all((x.rollout_routed_experts == y.rollout_routed_experts).all() for x, y in zip(got, want))
-        return got
-
-    before = agree()
+    before = compiled_agrees_with_lean(lean, compiled, greedy)
     compiles = len(compiled._fast.steps), torch._dynamo.utils.counters["stats"]["unique_graphs"]
     gen = torch.Generator().manual_seed(7)
     update = [
@@ -234,16 +220,25 @@ def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
     ]
     lean.update_weights(update)
     compiled.update_weights(update)
-    after = agree()
+    after = compiled_agrees_with_lean(lean, compiled, greedy)
     assert [s.tokens for s in after] != [s.tokens for s in before]
     assert (len(compiled._fast.steps), torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compiles
     shared = random_model("qwen2_moe", seed=4)
     assert "not compiled" in Engine(shared, max_batch_size=2, max_seq_len=32, compile_decode=True).decode_path
 
 
-@pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler"
-)
+def compiled_agrees_with_lean(lean: Engine, compiled: Engine, requests: list[Request]) -> list:
+    """The compiled engine's samples of `requests`, checked against the lean engine's: the same
+    greedy tokens and experts, log-probs within fp32 rounding of fused kernels (1e-4)."""
+    want, got = lean.generate(copy.deepcopy(requests)), compiled.generate(copy.deepcopy(requests))
+    assert [s.tokens for s in got] == [s.tokens for s in want]
+    gap = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x.rollout_log_probs, y.rollout_log_probs))
+    assert gap < 1e-4
+    assert all((x.rollout_routed_experts == y.rollout_routed_experts).all() for x, y in zip(got, want))
+    return got
+
+
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
 def test_compiled_step_keeps_many_experts_sparse():
     """16 experts for top-2 (past DENSE_EXPERTS): the experts run through the opaque custom op
     miles::expert_mlp inside the graph, and agree with the lean step; 6 slots: plain GEMMs."""
@@ -252,11 +247,7 @@ def test_compiled_step_keeps_many_experts_sparse():
     lean = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0)
     compiled = Engine(model, max_batch_size=6, max_seq_len=64, seed=0, compile_decode=True)
     assert compiled.decode_path.startswith("lean, compiled")
-    want, got = lean.generate(copy.deepcopy(greedy)), compiled.generate(copy.deepcopy(greedy))
-    assert [s.tokens for s in got] == [s.tokens for s in want]
-    gap = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x.rollout_log_probs, y.rollout_log_probs))
-    assert gap < 1e-4
-    assert all((x.rollout_routed_experts == y.rollout_routed_experts).all() for x, y in zip(got, want))
+    compiled_agrees_with_lean(lean, compiled, greedy)
 
 
 def test_the_compiled_steps_few_row_product_is_f_linear():

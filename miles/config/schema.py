@@ -113,6 +113,14 @@ class RolloutSection:
         "(instead of correcting them with --use-tis)",
     )
 
+    def decode_options(self) -> dict[str, bool]:
+        """The Engine keyword arguments that choose its decode step (every engine, local or Ray)."""
+        return dict(
+            lean_decode=self.rollout_lean_decode,
+            packed_gemm=self.rollout_packed_gemm,
+            compile_decode=self.rollout_compile,
+        )
+
 
 @dataclass
 class RewardSection:

@@ -46,7 +46,15 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput
-from miles.rollout.fast_decode import FastDecoder, apply_rope, cache_rows, expert_mlp, rms_norm, rope_tables
+from miles.rollout.fast_decode import (
+    FastDecoder,
+    apply_rope,
+    cache_rows,
+    expert_mlp,
+    rms_norm,
+    rope_tables,
+    route,
+)
 
 log = logging.getLogger("miles")
 
@@ -80,10 +88,15 @@ def _linear(rows: int) -> Callable:
     return gemv
 
 
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on PATH (inductor builds its CPU kernels with one)."""
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
 def compile_unsupported(decoder: FastDecoder) -> str | None:
     """Why the compiled step cannot run this model here (None: it can)."""
     device = decoder.model.lm_head.weight.device
-    if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+    if device.type == "cpu" and not has_cpp_compiler():
         return "no C++ compiler on PATH (inductor compiles the CPU step with one)"
     for layer in decoder.layers:
         if layer.moe and layer.mlp.shared_expert is not None:
@@ -146,10 +159,7 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
             h = h + linear(attn.reshape(slots, H * D), w["o"], w.get("o_bias"))
             x = rms_norm(h, w["post_norm"], eps)
             if "router" in w:
-                p = torch.softmax(linear(x, w["router"]).float(), dim=-1)
-                chosen_p, chosen = p.topk(top_k, dim=-1)
-                if normalize:
-                    chosen_p = chosen_p / chosen_p.sum(-1, keepdim=True)
+                chosen_p, chosen = route(linear(x, w["router"]), top_k, normalize)
                 experts, inner = w["down"].shape[0], w["down"].shape[-1]
                 if experts <= DENSE_EXPERTS * top_k:  # every expert on every row, weighted by the routing
                     dense = torch.zeros(slots, experts, dtype=x.dtype).scatter(

@@ -145,6 +145,16 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen experts), each (B, K): the top-k of the router's softmax in fp32,
+    renormalized to sum to 1 when the model says so (the general forward's routing without
+    capacity, replay or ties broken by index)."""
+    weights, chosen = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, chosen
+
+
 PADDING_LIMIT = 2.0  # the padded batch may hold at most this many rows per routed row
 
 
@@ -293,11 +303,11 @@ class _Layer:
         self.o_proj = _plain(attn.o_proj.weight, [attn.o_proj.weight], rows)
         if self.moe:
             self.router = _plain(mlp.gate.weight, [mlp.gate.weight], rows)
-            self.projections = [self.qkv_proj, self.o_proj, self.router]
+            self.row_projections = [self.qkv_proj, self.o_proj, self.router]
         else:
             self.gate_up_proj = _plain(self.gate_up, [mlp.gate_proj.weight, mlp.up_proj.weight], rows)
             self.down_proj = _plain(self.down, [self.down], rows)
-            self.projections = [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+            self.row_projections = [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def _fuse(self, params: list[nn.Parameter]) -> torch.Tensor:
         fused = fuse(params)
@@ -331,7 +341,8 @@ class FastDecoder:
             packed_rows = None  # one row runs MKL's GEMV, which packs nothing
         if packed_rows is not None:
             attn = model.model.layers[0].self_attn
-            shape = (attn.q_proj.out_features + 2 * attn.k_proj.out_features, attn.q_proj.in_features)
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)  # the fused q/k/v weight's shape
+            shape = (sum(p.out_features for p in qkv), attn.q_proj.in_features)
             if not packing_pays(packed_rows, shape):
                 packed_rows, self.packing_note = None, f"MKL packing measured no faster at {shape} here"
         self.packed_rows = packed_rows
@@ -349,7 +360,7 @@ class FastDecoder:
     @property
     def packed_bytes(self) -> int:
         """Memory of the packed weight copies (0 when nothing is packed)."""
-        packed = [self.lm_head, *(p for layer in self.layers for p in layer.projections)]
+        packed = [self.lm_head, *(p for layer in self.layers for p in layer.row_projections)]
         return sum(p.nbytes for p in packed if isinstance(p, PackedLinear))
 
     @torch.inference_mode()
@@ -410,10 +421,7 @@ class FastDecoder:
     def _moe(self, layer: _Layer, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h + the layer's experts on x; the chosen experts (B, K)."""
         moe: MoE = layer.mlp
-        probs = torch.softmax(layer.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(moe.top_k, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen = route(layer.router(x), moe.top_k, moe.norm_topk_prob)
         out = expert_mlp(x, chosen, weights, layer.gate_up, layer.down)
         if moe.shared_expert is not None:
             out = out + moe._shared(x)

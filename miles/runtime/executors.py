@@ -70,9 +70,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         max_seq_len=max_seq_len,
         seed=rollout_cfg.rollout_seed,
         speculator=speculator_for(cfg.speculative, policy, slots, max_seq_len, draft),
-        lean_decode=rollout_cfg.rollout_lean_decode,
-        packed_gemm=rollout_cfg.rollout_packed_gemm,
-        compile_decode=rollout_cfg.rollout_compile,
+        **rollout_cfg.decode_options(),
     )
     log.info("rollout engine decode step: %s", engine.decode_path)
     trainer = local_trainer(cfg, policy)

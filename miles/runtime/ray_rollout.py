@@ -86,12 +86,7 @@ class EngineActor:
 
             speculator = speculator_for(run_cfg.speculative, policy, max_batch_size, max_seq_len)
             policy = prepare_rollout_model(policy, run_cfg)
-            rollout = run_cfg.rollout
-            decode = dict(
-                lean_decode=rollout.rollout_lean_decode,
-                packed_gemm=rollout.rollout_packed_gemm,
-                compile_decode=rollout.rollout_compile,
-            )
+            decode = run_cfg.rollout.decode_options()
         self.engine = Engine(
             policy,
             tokenizer,
