@@ -25,6 +25,7 @@ from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.rollout.compiled_decode import CompiledDecode, compile_unsupported
 from miles.rollout.fast_decode import FastDecoder, unsupported
+from miles.rollout.noise import NoiseBank, rows_ahead
 from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
 from miles.rollout.weights import apply_named_tensors
@@ -85,6 +86,12 @@ class Engine:
         self._fast: FastDecoder | CompiledDecode | None = None
         self._fast_for_model()
         self.cache = model.new_cache(self.slots, self.max_seq_len)
+        # sampling noise drawn a few rows ahead per slot (same numbers); speculative decoding
+        # draws from the same generators in between, so it draws as it goes
+        vocab = model.lm_head.weight.shape[0]
+        self._noise = (
+            NoiseBank(self.slots, vocab) if speculator is None and rows_ahead(self.slots, vocab) > 1 else None
+        )
         self.seed = seed
         # while requests are decoding, admit waiting ones only once this many slots are free
         self.admit_batch = admit_batch if admit_batch is not None else max(1, max_batch_size // 8)
@@ -107,6 +114,7 @@ class Engine:
         self._arrivals = 0  # requests added so far
         self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
         self._defer_refill = self._needs_refill = False  # see paused()
+        self._params_cache: tuple[list[Request], tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
 
     def _fast_for_model(self) -> None:
         """(Re)build the lean decode step for the model as it is now, or fall back to its forward."""
@@ -333,6 +341,8 @@ class Engine:
             stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self._eos)
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
             self._running[state.slot] = state
+            if self._noise is not None:
+                self._noise.reset(state.slot)
             if self.speculator is not None:
                 self.speculator.draft.reset(state.slot)
             new.append(state)
@@ -407,12 +417,19 @@ class Engine:
         return finished
 
     def _params(self, states: list[_Running]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        params = [s.request.params for s in states]
-        return (
+        """(temperature, top_k, top_p) per state; reused while the same requests run."""
+        requests = [s.request for s in states]
+        key = tuple(map(id, requests))  # the cache holds the requests, so no id is reused meanwhile
+        if self._params_cache is not None and self._params_cache[1] == key:
+            return self._params_cache[2]
+        params = [r.params for r in requests]
+        made = (
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
             torch.tensor([p.top_k for p in params], device=self.device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
         )
+        self._params_cache = (requests, key, made)
+        return made
 
     def _decode_speculative(self, k: int) -> list[Sample]:
         """Up to k + 1 tokens for every running request from one pass of the policy: the draft
@@ -470,12 +487,16 @@ class Engine:
         """
         states = sorted(self._running.values(), key=lambda s: s.slot)
         span = states[-1].slot + 1
-        ids = torch.zeros(span, 1, dtype=torch.long)
-        positions = torch.zeros(span, 1, dtype=torch.long)
-        busy = torch.tensor([s.slot for s in states])
-        ids[busy, 0] = torch.tensor([s.response[-1] for s in states])
-        positions[busy, 0] = torch.tensor([s.length - 1 for s in states])
-        busy = busy.to(self.device)
+        last = torch.tensor([[s.response[-1]] for s in states])
+        at = torch.tensor([[s.length - 1] for s in states])
+        if span == len(states):  # every slot of the range busy (the common case): no scatter
+            ids, positions, busy = last, at, slice(None)
+        else:
+            ids = torch.zeros(span, 1, dtype=torch.long)
+            positions = torch.zeros(span, 1, dtype=torch.long)
+            busy = torch.tensor([s.slot for s in states])
+            ids[busy], positions[busy] = last, at
+            busy = busy.to(self.device)
         out = self._forward_slots(ids, positions)
         if self.is_moe:
             routed = out.routed_experts[busy, 0].to(torch.int32).cpu().numpy()
@@ -497,7 +518,15 @@ class Engine:
 
     def _emit(self, states: list[_Running], logits: torch.Tensor) -> list[Sample]:
         """Sample one token for each state from `logits`; finish the ones that stop."""
-        tokens, logprobs = sample_tokens(logits, *self._params(states), [s.generator for s in states])
+        generators = [s.generator for s in states]
+        draw = None
+        if self._noise is not None:
+
+            def draw() -> torch.Tensor:
+                left = [s.request.params.max_new_tokens - len(s.response) for s in states]
+                return self._noise.take([s.slot for s in states], generators, left)
+
+        tokens, logprobs = sample_tokens(logits, *self._params(states), generators, draw)
         finished = []
         for s, tok, lp in zip(states, tokens.tolist(), logprobs.tolist()):
             sample = self._append(s, tok, lp)

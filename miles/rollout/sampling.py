@@ -11,11 +11,13 @@ tokens depend on its seed alone, never on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from miles.errors import MilesError
+from miles.rollout.noise import gumbel_
 
 
 @dataclass
@@ -76,7 +78,7 @@ def gumbel_noise(generators: list[torch.Generator], vocab: int) -> torch.Tensor:
     noise = torch.empty(len(generators), vocab)
     for row, g in zip(noise, generators):
         row.uniform_(generator=g)  # the numbers torch.rand(vocab, generator=g) draws
-    return noise.clamp_(min=1e-20).log_().neg_().log_().neg_()
+    return gumbel_(noise)
 
 
 def sample_tokens(
@@ -85,8 +87,12 @@ def sample_tokens(
     top_k: torch.Tensor,  # (B,) int
     top_p: torch.Tensor,  # (B,)
     generators: list[torch.Generator],
+    draw_noise: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature)."""
+    """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature).
+
+    The Gumbel noise is each generator's next row, or `draw_noise()` when given (the engine's
+    rows drawn ahead, `miles.rollout.noise.NoiseBank`: the same numbers)."""
     scaled, greedy = scale_by_temperature(logits, temperature)
     logprobs_all = scaled.log_softmax(-1)
     if bool(greedy.all()):
@@ -97,7 +103,8 @@ def sample_tokens(
             restricted = allowed_logits(scaled, top_k, top_p)
         # drawn on CPU by each request's own generator: the same seed samples the same token on
         # any device, and no batch-mate changes it
-        noise = gumbel_noise(generators, logits.shape[-1]).to(logits.device)
+        noise = draw_noise() if draw_noise is not None else gumbel_noise(generators, logits.shape[-1])
+        noise = noise.to(logits.device)
         tokens = noise.add_(restricted).argmax(-1)
         if bool(greedy.any()):
             tokens = torch.where(greedy, logits.argmax(-1), tokens)
