@@ -5,8 +5,8 @@ and against the machine's own limit for a decode step (`decode_bound.py`).
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny
 
 Both sides get the same model weights, the same prompts and temperature-1 sampling, and
-produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the two
-sides alternating. Two workloads:
+produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the sides
+(miles, miles compiled with --compile, transformers) alternating. Two workloads:
 
 - fixed: every prompt gets the same number of new tokens (EOS ignored): raw decoding speed.
 - mixed (RL-like): 4 batches' worth of prompts whose responses end at different lengths (drawn
@@ -16,7 +16,9 @@ sides alternating. Two workloads:
 
 "bound" is the decode-only throughput at the batch size that the tighter of two limits allows:
 every weight and the filled KV cache read once per step at the measured memory bandwidth (the
-faster of a copy and a read), or the step's GEMMs alone. The measured throughput includes the prefill, so the fraction is conservative.
+faster of a copy and a read), or the step's GEMMs alone. The measured throughput includes the
+prefill and sampling, so its fraction is conservative; the line under it gives the decode steps
+alone (their forwards, timed by the engine: `Engine.times`), the like-for-like fraction.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from decode_bound import decode_bound, memory_bandwidth
 
 from miles.models import registry, save_model
 from miles.rollout import Engine, Request, SamplingParams
+from miles.rollout.engine import EngineTimes
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
@@ -77,10 +80,9 @@ def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
     return sum(lengths) / (time.perf_counter() - start)
 
 
-def run_miles(
-    model, tokenizer, prompts, lengths: list[int], batch: int, compile_decode: bool = False, repeats: int = 1
-) -> float:
-    """Tokens per second of one engine on the workload, the median of `repeats` runs."""
+def miles_engine(model, tokenizer, prompts, lengths: list[int], batch: int, compile_decode: bool = False):
+    """An engine for the workload and its requests; a compiled one has compiled its step (on a
+    first run of the workload, not timed: the time is printed)."""
     engine = Engine(
         model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1,
         compile_decode=compile_decode,
@@ -89,18 +91,32 @@ def run_miles(
         Request(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
         for p, n in zip(prompts, lengths)
     ]
-    if compile_decode:  # compile outside the timing (reported by the engine's log, and below)
+    if compile_decode:
         engine.generate(copy.deepcopy(requests))
         print(
             f"  (compiled decode: {engine._fast.compile_seconds:.1f} s of compilation, not timed)", flush=True
         )
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        samples = engine.generate(copy.deepcopy(requests))
-        rates.append(sum(lengths) / (time.perf_counter() - start))
-        assert [s.response_length for s in samples] == lengths
-    return statistics.median(rates)
+    return engine, requests
+
+
+def run_miles(engine: Engine, requests: list[Request]) -> tuple[float, float]:
+    """Tokens per second of one run of the engine on the requests, and of its decode steps
+    alone (the forwards of the one-token steps, no prefill and no sampling: what the per-step
+    bound models)."""
+    engine.times = EngineTimes()
+    start = time.perf_counter()
+    samples = engine.generate(copy.deepcopy(requests))
+    seconds = time.perf_counter() - start
+    assert [s.response_length for s in samples] == [r.params.max_new_tokens for r in requests]
+    return sum(s.response_length for s in samples) / seconds, engine.times.decode_tokens_per_second
+
+
+def decode_line(workload: str, which: str, rate: float, bound_tps: float, bw_tps: float) -> str:
+    """The decode steps alone against the per-step bound (the like-for-like fraction)."""
+    return (
+        f"{'':<9} {workload:<5} decode steps only{which}: {rate:7.0f} tok/s | "
+        f"{rate / bound_tps:4.0%} of the bound, {rate / bw_tps:4.0%} of bandwidth"
+    )
 
 
 def bench(
@@ -117,7 +133,7 @@ def bench(
         model, tokenizer = registry.load(spec)
         hf = hf_model_of(model).eval()
     model.eval()
-    run_miles(model, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2)  # warm-up both
+    run_miles(*miles_engine(model, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2))  # warm-up both
     run_hf(hf, tokenizer, prompts_for(tokenizer, 2), [2, 2], 2)
     gen = torch.Generator().manual_seed(0)
     workloads = {"fixed": (prompts_for(tokenizer, batch), [new_tokens] * batch)}
@@ -128,11 +144,19 @@ def bench(
         )
     rows = []
     for workload, (prompts, lengths) in workloads.items():
-        ours, theirs = [], []
-        for _ in range(repeats):
-            ours.append(run_miles(model, tokenizer, prompts, lengths, batch))
+        eager = miles_engine(model, tokenizer, prompts, lengths, batch)
+        fast = (
+            miles_engine(model, tokenizer, prompts, lengths, batch, compile_decode=True) if compiled else None
+        )
+        runs: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
+        theirs = []
+        for _ in range(repeats):  # the sides alternate, so a drift of the machine hits them alike
+            runs["eager"].append(run_miles(*eager))
+            if fast is not None:
+                runs["compiled"].append(run_miles(*fast))
             theirs.append(run_hf(hf, tokenizer, prompts, lengths, batch))
-        ours, theirs = statistics.median(ours), statistics.median(theirs)
+        theirs = statistics.median(theirs)
+        ours, decode_only = (statistics.median(x) for x in zip(*runs["eager"]))
         context = round(statistics.mean(map(len, prompts)) + statistics.mean(lengths) / 2)
         bound = decode_bound(model, batch, context, bandwidth)
         bound_tps = batch / bound.tighter_s
@@ -144,13 +168,15 @@ def bench(
             f"{ours / bound_tps:4.0%} of the bound, {ours / bw_tps:4.0%} of bandwidth",
             flush=True,
         )
-        if compiled:
-            fast = run_miles(model, tokenizer, prompts, lengths, batch, compile_decode=True, repeats=repeats)
+        print(decode_line(workload, "", decode_only, bound_tps, bw_tps), flush=True)
+        if fast is not None:
+            rate, decode_rate = (statistics.median(x) for x in zip(*runs["compiled"]))
             print(
-                f"{'':<9} {workload:<5} with --rollout-compile: miles {fast:7.0f} tok/s | ratio {fast / theirs:5.2f}x | "
-                f"{fast / bound_tps:4.0%} of the bound, {fast / bw_tps:4.0%} of bandwidth",
+                f"{'':<9} {workload:<5} with --rollout-compile: miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x | "
+                f"{rate / bound_tps:4.0%} of the bound, {rate / bw_tps:4.0%} of bandwidth",
                 flush=True,
             )
+            print(decode_line(workload, " compiled", decode_rate, bound_tps, bw_tps), flush=True)
         rows.append((name, workload, batch, ours, theirs))
     return rows
 

@@ -239,15 +239,27 @@ def compiled_agrees_with_lean(lean: Engine, compiled: Engine, requests: list[Req
 
 
 @pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
-def test_compiled_step_keeps_many_experts_sparse():
+def test_compiled_step_keeps_many_experts_sparse(monkeypatch):
     """16 experts for top-2 (past DENSE_EXPERTS): the experts run through the opaque custom op
-    miles::expert_mlp inside the graph, and agree with the lean step; 6 slots: plain GEMMs."""
+    miles::expert_mlp inside the graph (called on all 6 slots, in every layer of every step), and
+    agree with the lean step; 6 slots: plain GEMMs."""
+    import miles.rollout.compiled_decode as compiled_decode
+
+    rows = []
+
+    def counted(x, *args):
+        rows.append(x.shape[0])
+        return expert_mlp(x, *args)
+
+    monkeypatch.setattr(compiled_decode, "expert_mlp", counted)  # what the custom op calls
     model = random_model("qwen3_moe", seed=5, num_experts=16)
     greedy = [Request([9 + i, 4, 7, 3], SamplingParams(temperature=0, max_new_tokens=5)) for i in range(5)]
     lean = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0)
     compiled = Engine(model, max_batch_size=6, max_seq_len=64, seed=0, compile_decode=True)
     assert compiled.decode_path.startswith("lean, compiled")
     compiled_agrees_with_lean(lean, compiled, greedy)
+    steps = compiled.times.decode_steps
+    assert steps == 4 and set(rows) == {6} and len(rows) >= steps * model.config.num_hidden_layers
 
 
 def test_the_compiled_steps_few_row_product_is_f_linear():

@@ -205,6 +205,21 @@ def test_continuous_batching_reuses_slots():
         assert alone.tokens == s.tokens
 
 
+def test_engine_times_count_each_decode_step_and_token():
+    """Every token but a request's first (sampled from its prefill) comes from a decode step,
+    and a step decodes every running request: 3 requests of 5, 2 and 7 tokens in 4 slots take
+    6 steps and 11 decode tokens."""
+    engine = Engine(peaked("llama"), max_batch_size=4, max_seq_len=64)
+    lengths = [5, 2, 7]
+    engine.generate(
+        [Request([3, 4, i], SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    )
+    times = engine.times
+    assert (times.decode_steps, times.decode_tokens) == (max(lengths) - 1, sum(lengths) - len(lengths))
+    assert times.prefill_seconds > 0 and times.decode_seconds > 0
+    assert times.decode_tokens_per_second == times.decode_tokens / times.decode_seconds
+
+
 def test_stop_rules_and_statuses():
     model = peaked("llama", seed=0)
     engine = Engine(model, max_batch_size=4, max_seq_len=64)

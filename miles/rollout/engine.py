@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -55,6 +56,23 @@ class _Running:
     @property
     def length(self) -> int:
         return len(self.request.prompt_ids) + len(self.response)
+
+
+@dataclass
+class EngineTimes:
+    """Where the engine's time went: prefill forwards, and decode steps' forwards with the rows
+    (tokens) they produced. benchmarks/rollout_throughput.py reads the decode-only throughput
+    here to set against the per-step bound. Wall-clock on the host: exact on a CPU; on a GPU,
+    kernels still running when a timer stops count towards whatever waits for them next."""
+
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Engine:
@@ -114,6 +132,7 @@ class Engine:
         self._arrivals = 0  # requests added so far
         self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
         self._defer_refill = self._needs_refill = False  # see paused()
+        self.times = EngineTimes()
         self._params_cache: tuple[list[Request], tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
 
     def _fast_for_model(self) -> None:
@@ -348,7 +367,9 @@ class Engine:
             new.append(state)
         if not new:
             return []
+        start = time.perf_counter()
         logits = self._refill(new)
+        self.times.prefill_seconds += time.perf_counter() - start
         return self._emit(new, logits)
 
     def _refill(self, states: list[_Running]) -> torch.Tensor:
@@ -497,7 +518,12 @@ class Engine:
             busy = torch.tensor([s.slot for s in states])
             ids[busy], positions[busy] = last, at
             busy = busy.to(self.device)
+        start = time.perf_counter()
         out = self._forward_slots(ids, positions)
+        times = self.times
+        times.decode_seconds += time.perf_counter() - start
+        times.decode_steps += 1
+        times.decode_tokens += len(states)
         if self.is_moe:
             routed = out.routed_experts[busy, 0].to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
