@@ -18,7 +18,12 @@ from miles.train.batch import forward_logprobs, pack_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = ROOT / "miles" / "assets" / "default_train.yaml"
-TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}  # and every mem_* (see comparable)
+TIMING = {
+    "rollout_time",
+    "train_time",
+    "step_time",
+    "sync_seconds",
+}  # and every mem_* and engine_* (see comparable)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -112,7 +117,10 @@ def local_run(tmp_path_factory):
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("mem_")} for r in records]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING and not k.startswith(("mem_", "engine_"))}
+        for r in records
+    ]
 
 
 def check_async_run(out: Path, flags: list[str], monkeypatch) -> list[dict]:

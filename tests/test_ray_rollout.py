@@ -52,6 +52,8 @@ def test_actors_match_local_engine_and_take_weight_updates(ray_cluster, tmp_path
     got = manager.generate(requests_for(10, 6))
     want = local.generate(requests_for(10, 6))
     assert [s.tokens for s in got] == [s.tokens for s in want]
+    # the engines' times, summed: as many decode tokens as the one local engine decoded
+    assert manager.take_times().decode_tokens == local.take_times().decode_tokens > 0
     new = random_model("qwen3_moe", seed=2)
     manager.update_weights(new.state_dict().items(), version=5, bucket_bytes=40_000)
     local.update_weights(new.state_dict().items(), version=5)

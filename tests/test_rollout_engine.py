@@ -11,6 +11,7 @@ import transformers
 from miles.data import Status
 from miles.models import save_model
 from miles.rollout import Engine, Request, SamplingParams
+from miles.rollout.engine import EngineTimes
 from miles.rollout.sampling import sample_tokens
 from tests.conftest import random_model, response_logprobs
 
@@ -214,10 +215,14 @@ def test_engine_times_count_each_decode_step_and_token():
     engine.generate(
         [Request([3, 4, i], SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
     )
-    times = engine.times
+    times = engine.take_times()
     assert (times.decode_steps, times.decode_tokens) == (max(lengths) - 1, sum(lengths) - len(lengths))
     assert times.prefill_seconds > 0 and times.decode_seconds > 0
     assert times.decode_tokens_per_second == times.decode_tokens / times.decode_seconds
+    assert engine.take_times() == EngineTimes()  # taken: the next call starts from zero
+    both = EngineTimes.merge([times, None, times])  # engines that report, summed
+    assert (both.decode_steps, both.decode_seconds) == (2 * times.decode_steps, 2 * times.decode_seconds)
+    assert EngineTimes.merge([None]) is None
 
 
 def test_stop_rules_and_statuses():

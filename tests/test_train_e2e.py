@@ -109,6 +109,14 @@ def test_tensorboard_plot_and_cli_errors(tmp_path, capsys):
         [r["reward_mean"] for r in read_metrics(tmp_path / "tb") if "reward_mean" in r]
     )
 
+    # every record has the engine's own split of its time, and each step decoded tokens
+    steps = [r for r in read_metrics(tmp_path / "tb") if r["rollout"] >= 0]
+    assert all(r["engine_prefill_time"] > 0 and r["engine_decode_tokens"] > 0 for r in steps)
+    assert all(
+        r["engine_decode_tokens_per_s"] * r["engine_decode_time"] == pytest.approx(r["engine_decode_tokens"])
+        for r in steps
+    )
+
     assert main(["plot", str(tmp_path / "tb")]) == 0
     pngs = sorted(p.name for p in (tmp_path / "tb" / "plots").glob("*.png"))
     assert {

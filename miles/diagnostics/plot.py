@@ -15,8 +15,8 @@ PANELS = [
     ("routing_mismatch", ["routing_mismatch_frac", "routing_mismatch_token_frac"]),
     (
         "time",
-        ["rollout_time", "train_time", "sync_seconds"],
-    ),  # seconds per step (train_time includes the sync)
+        ["rollout_time", "train_time", "sync_seconds", "engine_prefill_time", "engine_decode_time"],
+    ),  # seconds per step (train_time includes the sync; engine_*: the engines' own split)
     ("lengths", ["response_len_mean"]),
     (
         "memory",

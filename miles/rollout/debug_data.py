@@ -83,6 +83,9 @@ class ReplayRollout:
     def take_spec_stats(self) -> None:
         return None
 
+    def take_times(self) -> None:
+        return None
+
     def set_precision(self, mode: str) -> None:
         """No engine: nothing computes rollouts here."""
 

@@ -74,6 +74,28 @@ class EngineTimes:
     def decode_tokens_per_second(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
+    @classmethod
+    def merge(cls, parts: list[EngineTimes | None]) -> EngineTimes | None:
+        """The sum over engines (None when none reports)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        return cls(
+            *(
+                sum(getattr(p, f) for p in parts)
+                for f in ("prefill_seconds", "decode_seconds", "decode_steps", "decode_tokens")
+            )
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The run's engine_* metrics (engine time since the previous record, evaluation included)."""
+        return {
+            "engine_prefill_time": self.prefill_seconds,
+            "engine_decode_time": self.decode_seconds,
+            "engine_decode_tokens": self.decode_tokens,
+            "engine_decode_tokens_per_s": self.decode_tokens_per_second,
+        }
+
 
 class Engine:
     """Batched generation with logprobs, routing capture and versioned weight updates."""
@@ -279,6 +301,12 @@ class Engine:
             draft = self.speculator.draft
             draft.model.load_state_dict(state)
             draft.invalidate()
+
+    def take_times(self) -> EngineTimes:
+        """Where the engine's time went since the last call (see EngineTimes)."""
+        with self._step_lock:
+            times, self.times = self.times, EngineTimes()
+        return times
 
     def take_spec_stats(self) -> SpecStats | None:
         """The speculative-decoding counts since the last call (None without a draft)."""

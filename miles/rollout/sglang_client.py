@@ -431,6 +431,9 @@ class SGLangRollout:
     def take_spec_stats(self):
         return None
 
+    def take_times(self):
+        return None  # the server's own time is not ours to split
+
     def shutdown(self) -> None:
         """The servers are not ours to stop; a Ray placement of the training ranks is."""
         if self.placement is not None:

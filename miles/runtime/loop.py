@@ -183,6 +183,9 @@ def run_loop(run: Run) -> Path:
         last = rollout_id == total - 1
         if run.data.eval_items and (last or due(cfg.data.eval_interval, rollout_id)):
             step.update(feed.evaluate())
+        times = run.rollout.take_times()  # the engines' prefill/decode split of their time
+        if times is not None:
+            step.update(times.metrics())
         log_step(run, rollout_id, step)
         profiler.step()
         last_eval = step.get("eval_accuracy", last_eval)

@@ -75,4 +75,6 @@ class Rollout(Protocol):
 
     def take_spec_stats(self): ...  # SpecStats | None: speculative-decoding counts since the last call
 
+    def take_times(self): ...  # EngineTimes | None: prefill and decode-step seconds since the last call
+
     def shutdown(self) -> None: ...

@@ -200,6 +200,9 @@ class EngineActor:
     def take_spec_stats(self):
         return self.engine.take_spec_stats()
 
+    def take_times(self):
+        return self.engine.take_times()
+
 
 class RolloutManager:
     """Spreads requests over `num_engines` engines; recovers from an actor's death. An engine is
@@ -362,6 +365,11 @@ class RolloutManager:
         from miles.rollout.speculative import SpecStats
 
         return SpecStats.merge(ray.get([a.take_spec_stats.remote() for a in self.actors]))
+
+    def take_times(self):
+        from miles.rollout.engine import EngineTimes
+
+        return EngineTimes.merge(ray.get([a.take_times.remote() for a in self.actors]))
 
     def node_ids(self) -> list[str]:
         """The Ray node of each engine actor."""
