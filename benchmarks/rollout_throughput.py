@@ -3,6 +3,7 @@ and against the machine's own limit for a decode step (`decode_bound.py`).
 
     .venv/bin/python benchmarks/rollout_throughput.py            # tiny MoE @64, SmolLM2 @16 and @1
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny
+    .venv/bin/python benchmarks/rollout_throughput.py --only tiny --engines 2   # also 2 Ray engines
 
 Both sides get the same model weights, the same prompts and temperature-1 sampling, and
 produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the sides
@@ -111,6 +112,34 @@ def run_miles(engine: Engine, requests: list[Request]) -> tuple[float, float]:
     return sum(s.response_length for s in samples) / seconds, engine.times.decode_tokens_per_second
 
 
+def ray_engines(spec: str, engines: int, batch: int, max_seq_len: int, compile_decode: bool = False):
+    """`engines` Ray engine actors of one thread each (the multi-engine rollout's shape), sharing
+    `batch` slots, compiled steps if asked; a local Ray of `engines` CPUs is started for them."""
+    import ray
+
+    from miles.config import load_config
+    from miles.runtime.ray_rollout import RolloutManager
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=engines, include_dashboard=False, log_to_driver=False)
+    run_cfg = load_config(["--rollout-compile"]) if compile_decode else None  # what a run would pass
+    manager = RolloutManager(
+        spec, num_engines=engines, max_batch_size=batch // engines, max_seq_len=max_seq_len, run_cfg=run_cfg
+    )
+    warm = [Request([1 + i, 2, 3], SamplingParams(max_new_tokens=2)) for i in range(2 * engines)]
+    manager.generate(warm)  # every actor is up and has run a step
+    return manager
+
+
+def run_ray(manager, requests: list[Request]) -> float:
+    """Tokens per second of one run of the engines on the requests (split by prompt among them)."""
+    start = time.perf_counter()
+    samples = manager.generate(copy.deepcopy(requests))
+    seconds = time.perf_counter() - start
+    assert [s.response_length for s in samples] == [r.params.max_new_tokens for r in requests]
+    return sum(s.response_length for s in samples) / seconds
+
+
 def decode_line(workload: str, which: str, rate: float, bound_tps: float, bw_tps: float) -> str:
     """The decode steps alone against the per-step bound (the like-for-like fraction)."""
     return (
@@ -128,6 +157,7 @@ def bench(
     bandwidth: float,
     mixed=True,
     compiled=False,
+    engines=0,
 ) -> list:
     with contextlib.redirect_stderr(io.StringIO()):
         model, tokenizer = registry.load(spec)
@@ -143,17 +173,28 @@ def bench(
             torch.randint(new_tokens // 8, 2 * new_tokens + 1, (4 * batch,), generator=gen).tolist(),
         )
     rows = []
+    longest = max(len(p) for p, _ in zip(*workloads["mixed" if mixed else "fixed"])) + 2 * new_tokens + 1
+    many = ray_engines(spec, engines, batch, longest) if engines else None
+    many_fast = (
+        ray_engines(spec, engines, batch, longest, compile_decode=True) if engines and compiled else None
+    )
     for workload, (prompts, lengths) in workloads.items():
         eager = miles_engine(model, tokenizer, prompts, lengths, batch)
         fast = (
             miles_engine(model, tokenizer, prompts, lengths, batch, compile_decode=True) if compiled else None
         )
         runs: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
-        theirs = []
+        theirs, spread, spread_fast = [], [], []
+        if many_fast is not None:  # each engine compiles its step for this workload's lengths, untimed
+            many_fast.generate(copy.deepcopy(eager[1]))
         for _ in range(repeats):  # the sides alternate, so a drift of the machine hits them alike
             runs["eager"].append(run_miles(*eager))
             if fast is not None:
                 runs["compiled"].append(run_miles(*fast))
+            if many is not None:
+                spread.append(run_ray(many, eager[1]))
+            if many_fast is not None:
+                spread_fast.append(run_ray(many_fast, eager[1]))
             theirs.append(run_hf(hf, tokenizer, prompts, lengths, batch))
         theirs = statistics.median(theirs)
         ours, decode_only = (statistics.median(x) for x in zip(*runs["eager"]))
@@ -177,7 +218,18 @@ def bench(
                 flush=True,
             )
             print(decode_line(workload, " compiled", decode_rate, bound_tps, bw_tps), flush=True)
+        for runs_, which in ((spread, ""), (spread_fast, ", compiled")):
+            if runs_:
+                rate = statistics.median(runs_)
+                print(
+                    f"{'':<9} {workload:<5} {engines} Ray engines, 1 thread and {batch // engines} slots each{which}: "
+                    f"miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x",
+                    flush=True,
+                )
         rows.append((name, workload, batch, ours, theirs))
+    for manager in (many, many_fast):
+        if manager is not None:
+            manager.shutdown()
     return rows
 
 
@@ -192,6 +244,13 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
     parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
+    parser.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="also run N Ray engine actors of one thread each, sharing the batch's slots (the "
+        "multi-engine rollout; one per core is the natural count)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth, copy_bw, read_bw = memory_bandwidth()
@@ -208,11 +267,12 @@ def main() -> None:
             repeats=args.repeats,
             bandwidth=bandwidth,
             compiled=args.compile,
+            engines=args.engines,
         )
     if args.only in (None, "smollm2", "smollm2-16"):
         bench(
             "SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth,
-            compiled=args.compile,
+            compiled=args.compile, engines=args.engines,
         )  # fmt: skip
     if args.only in (None, "smollm2", "smollm2-1"):
         bench(
