@@ -38,7 +38,6 @@ from decode_bound import decode_bound, memory_bandwidth
 
 from miles.models import registry, save_model
 from miles.rollout import Engine, Request, SamplingParams
-from miles.rollout.engine import EngineTimes
 
 
 def prompts_for(tokenizer, n: int) -> list[list[int]]:
@@ -100,16 +99,22 @@ def miles_engine(model, tokenizer, prompts, lengths: list[int], batch: int, comp
     return engine, requests
 
 
+def tokens_per_second(generate, requests: list[Request]) -> float:
+    """Tokens per second of one `generate` of the requests (each must get all its tokens)."""
+    start = time.perf_counter()
+    samples = generate(copy.deepcopy(requests))
+    seconds = time.perf_counter() - start
+    assert [s.response_length for s in samples] == [r.params.max_new_tokens for r in requests]
+    return sum(s.response_length for s in samples) / seconds
+
+
 def run_miles(engine: Engine, requests: list[Request]) -> tuple[float, float]:
     """Tokens per second of one run of the engine on the requests, and of its decode steps
     alone (the forwards of the one-token steps, no prefill and no sampling: what the per-step
     bound models)."""
-    engine.times = EngineTimes()
-    start = time.perf_counter()
-    samples = engine.generate(copy.deepcopy(requests))
-    seconds = time.perf_counter() - start
-    assert [s.response_length for s in samples] == [r.params.max_new_tokens for r in requests]
-    return sum(s.response_length for s in samples) / seconds, engine.times.decode_tokens_per_second
+    engine.take_times()  # counts start from here
+    rate = tokens_per_second(engine.generate, requests)
+    return rate, engine.take_times().decode_tokens_per_second
 
 
 def ray_engines(spec: str, engines: int, batch: int, max_seq_len: int, compile_decode: bool = False):
@@ -129,15 +134,6 @@ def ray_engines(spec: str, engines: int, batch: int, max_seq_len: int, compile_d
     warm = [Request([1 + i, 2, 3], SamplingParams(max_new_tokens=2)) for i in range(2 * engines)]
     manager.generate(warm)  # every actor is up and has run a step
     return manager
-
-
-def run_ray(manager, requests: list[Request]) -> float:
-    """Tokens per second of one run of the engines on the requests (split by prompt among them)."""
-    start = time.perf_counter()
-    samples = manager.generate(copy.deepcopy(requests))
-    seconds = time.perf_counter() - start
-    assert [s.response_length for s in samples] == [r.params.max_new_tokens for r in requests]
-    return sum(s.response_length for s in samples) / seconds
 
 
 def decode_line(workload: str, which: str, rate: float, bound_tps: float, bw_tps: float) -> str:
@@ -192,9 +188,9 @@ def bench(
             if fast is not None:
                 runs["compiled"].append(run_miles(*fast))
             if many is not None:
-                spread.append(run_ray(many, eager[1]))
+                spread.append(tokens_per_second(many.generate, eager[1]))
             if many_fast is not None:
-                spread_fast.append(run_ray(many_fast, eager[1]))
+                spread_fast.append(tokens_per_second(many_fast.generate, eager[1]))
             theirs.append(run_hf(hf, tokenizer, prompts, lengths, batch))
         theirs = statistics.median(theirs)
         ours, decode_only = (statistics.median(x) for x in zip(*runs["eager"]))

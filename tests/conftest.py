@@ -18,12 +18,8 @@ from miles.train.batch import forward_logprobs, pack_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_YAML = ROOT / "miles" / "assets" / "default_train.yaml"
-TIMING = {
-    "rollout_time",
-    "train_time",
-    "step_time",
-    "sync_seconds",
-}  # and every mem_* and engine_* (see comparable)
+# metrics that differ between identical runs: these, and every mem_* and engine_* (see comparable)
+TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

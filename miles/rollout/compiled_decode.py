@@ -16,10 +16,10 @@ MKL GEMV is slow. The price:
 
 What inductor is given, and why:
 - MoE experts: with few experts per chosen one (at most `DENSE_EXPERTS`, e.g. top-2 of 8) every
-  expert runs on every row, weighted by the routing, which inductor fuses and which measured at
-  least as fast as the sparse form on the tiny MoE's skewed load (1.31-1.75x transformers over
-  the runs of docs/performance.md's third pass, sparse 1.22-1.46x);
-  with more, the experts stay sparse: the expert MLP (`fast_decode.expert_mlp`, whose batch
+  expert runs on every row, weighted by the routing, which inductor fuses; on the tiny MoE's
+  skewed load it and the sparse form measured within the machine's noise of each other
+  (docs/performance.md, "Fourth pass"), and it keeps the graph free of data-dependent shapes.
+  With more, the experts stay sparse: the expert MLP (`fast_decode.expert_mlp`, whose batch
   shape depends on the routing) is an opaque custom op (`miles::expert_mlp`) in the graph;
 - at a handful of rows (`GEMV_ROWS`), every projection is written as a broadcast multiply and
   a sum over the input dimension, which inductor turns into one vectorized loop that reads each

@@ -10,12 +10,12 @@ are applied between steps, never inside one.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -80,12 +80,7 @@ class EngineTimes:
         parts = [p for p in parts if p is not None]
         if not parts:
             return None
-        return cls(
-            *(
-                sum(getattr(p, f) for p in parts)
-                for f in ("prefill_seconds", "decode_seconds", "decode_steps", "decode_tokens")
-            )
-        )
+        return cls(*(sum(getattr(p, f.name) for p in parts) for f in fields(cls)))
 
     def metrics(self) -> dict[str, float]:
         """The run's engine_* metrics (engine time since the previous record, evaluation included)."""
@@ -155,7 +150,7 @@ class Engine:
         self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
         self._defer_refill = self._needs_refill = False  # see paused()
         self.times = EngineTimes()
-        self._params_cache: tuple[list[Request], tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
+        self._params_cache: tuple[list[Request], tuple[torch.Tensor, ...]] | None = None
 
     def _fast_for_model(self) -> None:
         """(Re)build the lean decode step for the model as it is now, or fall back to its forward."""
@@ -395,9 +390,9 @@ class Engine:
             new.append(state)
         if not new:
             return []
-        start = time.perf_counter()
+        timer = Timer()
         logits = self._refill(new)
-        self.times.prefill_seconds += time.perf_counter() - start
+        self.times.prefill_seconds += timer.lap()
         return self._emit(new, logits)
 
     def _refill(self, states: list[_Running]) -> torch.Tensor:
@@ -468,16 +463,20 @@ class Engine:
     def _params(self, states: list[_Running]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature, top_k, top_p) per state; reused while the same requests run."""
         requests = [s.request for s in states]
-        key = tuple(map(id, requests))  # the cache holds the requests, so no id is reused meanwhile
-        if self._params_cache is not None and self._params_cache[1] == key:
-            return self._params_cache[2]
+        cached = self._params_cache
+        if (
+            cached is not None
+            and len(cached[0]) == len(requests)
+            and all(map(operator.is_, cached[0], requests))
+        ):
+            return cached[1]
         params = [r.params for r in requests]
         made = (
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
             torch.tensor([p.top_k for p in params], device=self.device),
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
         )
-        self._params_cache = (requests, key, made)
+        self._params_cache = (requests, made)
         return made
 
     def _decode_speculative(self, k: int) -> list[Sample]:
@@ -546,10 +545,10 @@ class Engine:
             busy = torch.tensor([s.slot for s in states])
             ids[busy], positions[busy] = last, at
             busy = busy.to(self.device)
-        start = time.perf_counter()
+        timer = Timer()
         out = self._forward_slots(ids, positions)
         times = self.times
-        times.decode_seconds += time.perf_counter() - start
+        times.decode_seconds += timer.lap()
         times.decode_steps += 1
         times.decode_tokens += len(states)
         if self.is_moe:
