@@ -23,7 +23,7 @@ from tests.conftest import ARCHS, random_model
 def pack_wherever_mkl_can(monkeypatch):
     """The engine packs only where packing measures faster on this CPU; here the packed path is
     exercised on every CPU with MKL."""
-    monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape: True)
+    monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape, kind="mkl": True)
 
 
 def mixed_requests(n: int, seed: int = 0) -> list[Request]:
@@ -171,7 +171,7 @@ def test_packed_linear_equals_f_linear_and_repacks_on_change():
 
 
 def test_packing_is_left_off_where_it_measures_slower(monkeypatch):
-    monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape: False)
+    monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape, kind="mkl": False)
     engine = Engine(random_model("qwen3", seed=1), max_batch_size=4, max_seq_len=32)
     assert engine._fast.packed_rows is None and "measured no faster" in engine.decode_path
     engine.generate(mixed_requests(4))

@@ -93,6 +93,13 @@ class RolloutSection:
         "CPU with MKL: run the lean step's full-batch projections on weights packed once for MKL's GEMM (the "
         "bits of F.linear or one ulp off, by CPU; faster at small batches; the packed copies take about 3x those weights' memory)",
     )
+    rollout_onednn: bool = option(
+        False,
+        "CPU: run the lean step's projections on oneDNN with weights packed once (any batch; one more copy of those "
+        "weights). Where MKL is slow at decode sizes (AMD CPUs) about 2x faster projections (SmolLM2 batch 16: "
+        "~1.9x a step); rounding then differs from the trainer's F.linear by fp32 ulps, as "
+        "train_rollout_logprob_abs_diff shows. --rollout-compile chooses it by itself where it measures faster",
+    )
     over_sampling_batch_size: int | None = option(
         None,
         "prompts to draw per rollout before dynamic-sampling filters (default: rollout_batch_size)",
@@ -118,6 +125,7 @@ class RolloutSection:
         return dict(
             lean_decode=self.rollout_lean_decode,
             packed_gemm=self.rollout_packed_gemm,
+            onednn_gemm=self.rollout_onednn,
             compile_decode=self.rollout_compile,
         )
 

@@ -34,11 +34,13 @@ the parameters, hence into the fused tensors) needs no recompilation.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import shutil
 import time
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -48,9 +50,13 @@ from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput
 from miles.rollout.fast_decode import (
     FastDecoder,
+    PackedLinear,
     apply_rope,
     cache_rows,
     expert_mlp,
+    onednn_works,
+    packing_pays,
+    qkv_rows,
     rms_norm,
     rope_tables,
     route,
@@ -74,6 +80,31 @@ def _expert_mlp_op(
 @_expert_mlp_op.register_fake
 def _(x, chosen, weights, gate_up, down):
     return torch.empty_like(x)
+
+
+_PACKED: dict[int, PackedLinear] = {}  # the packed projections compiled steps call, by handle
+_handles = itertools.count()
+
+
+@torch.library.custom_op("miles::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return _PACKED[handle](x)
+
+
+@_packed_linear_op.register_fake
+def _(x, handle, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _register(packed: PackedLinear) -> int:
+    handle = next(_handles)
+    _PACKED[handle] = packed
+    return handle
+
+
+def _release(handles: list[int]) -> None:
+    for handle in handles:
+        _PACKED.pop(handle, None)
 
 
 def _linear(rows: int) -> Callable:
@@ -124,14 +155,51 @@ def _weights(decoder: FastDecoder) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) -> Callable:
-    """One decode step over all `slots` rows and KV positions [0, length), shapes fixed."""
+def _side_by_side(down: torch.Tensor) -> torch.Tensor:
+    """(E, hidden, I) expert down projections as one (hidden, E * I) weight."""
+    return down.permute(1, 0, 2).reshape(down.shape[1], -1)
+
+
+def _packs(decoder: FastDecoder, slots: int) -> dict[tuple[int, str], PackedLinear]:
+    """oneDNN-packed projections of the compiled step, by (layer, name); the LM head at layer -1.
+    The dense experts' down projections are packed side by side, (hidden, E * I), so that the
+    weighted sum over experts is one GEMM."""
+    out: dict[tuple[int, str], PackedLinear] = {}
+    for i, layer in enumerate(decoder.layers):
+        out[i, "qkv"] = PackedLinear(layer.qkv, layer.qkv_sources, slots, "onednn")
+        o = layer.attn.o_proj.weight
+        out[i, "o"] = PackedLinear(o, [o], slots, "onednn")
+        if layer.moe:
+            if layer.down.shape[0] <= DENSE_EXPERTS * decoder.model.config.num_experts_per_tok:
+                gate_up = layer.gate_up.view(-1, layer.gate_up.shape[-1])
+                out[i, "gate_up"] = PackedLinear(gate_up, layer.gate_up_sources, slots, "onednn")
+                side_by_side = functools.partial(_side_by_side, layer.down)
+                out[i, "down"] = PackedLinear(side_by_side, layer.down_sources, slots, "onednn")
+        else:
+            out[i, "gate_up"] = PackedLinear(layer.gate_up, layer.gate_up_sources, slots, "onednn")
+            out[i, "down"] = PackedLinear(layer.down, layer.down_sources, slots, "onednn")
+    head = decoder.model.lm_head.weight
+    out[-1, "lm_head"] = PackedLinear(head, [head], slots, "onednn")
+    return out
+
+
+def _step_function(
+    decoder: FastDecoder, slots: int, max_len: int, length: int, handles: dict[tuple[int, str], int]
+) -> Callable:
+    """One decode step over all `slots` rows and KV positions [0, length), shapes fixed;
+    `handles`: the projections that run packed (`_packs`), the rest through `_linear`."""
     cfg = decoder.model.config
     H, KV, D, eps = decoder.heads, decoder.kv_heads, decoder.head_dim, cfg.rms_norm_eps
     top_k, normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
-    linear = _linear(slots)
     G = H // KV
+
+    def project(x, layer: int, name: str, w, bias=None):
+        handle = handles.get((layer, name))
+        if handle is None:
+            return _linear(slots)(x, w, bias)
+        y = torch.ops.miles.packed_linear(x, handle, w.shape[0])
+        return y if bias is None else y + bias
 
     def step(ids, positions, keys, values, weights, embed, final_norm, lm_head, inv_freq):
         cos, signed_sin = rope_tables(positions, inv_freq)
@@ -140,7 +208,7 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
         h = F.embedding(ids, embed)
         routed = []
         for i, w in enumerate(weights):
-            qkv = linear(rms_norm(h, w["in_norm"], eps), w["qkv"], w.get("qkv_bias")).view(
+            qkv = project(rms_norm(h, w["in_norm"], eps), i, "qkv", w["qkv"], w.get("qkv_bias")).view(
                 slots, H + 2 * KV, D
             )
             qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
@@ -156,28 +224,32 @@ def _step_function(decoder: FastDecoder, slots: int, max_len: int, length: int) 
             scores = torch.matmul(q.reshape(slots, KV, G, D), K.transpose(-1, -2)) * D**-0.5
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             attn = torch.matmul(probs, V)
-            h = h + linear(attn.reshape(slots, H * D), w["o"], w.get("o_bias"))
+            h = h + project(attn.reshape(slots, H * D), i, "o", w["o"], w.get("o_bias"))
             x = rms_norm(h, w["post_norm"], eps)
             if "router" in w:
-                chosen_p, chosen = route(linear(x, w["router"]), top_k, normalize)
+                chosen_p, chosen = route(project(x, i, "router", w["router"]), top_k, normalize)
                 experts, inner = w["down"].shape[0], w["down"].shape[-1]
                 if experts <= DENSE_EXPERTS * top_k:  # every expert on every row, weighted by the routing
                     dense = torch.zeros(slots, experts, dtype=x.dtype).scatter(
                         1, chosen, chosen_p.to(x.dtype)
                     )
-                    gu = F.linear(x, w["gate_up"].view(experts * 2 * inner, -1)).view(
-                        slots, experts, 2 * inner
-                    )
+                    gate_up = w["gate_up"].view(experts * 2 * inner, -1)
+                    gu = project(x, i, "gate_up", gate_up).view(slots, experts, 2 * inner)
                     act = F.silu(gu[..., :inner]) * gu[..., inner:] * dense[:, :, None]
-                    h = h + torch.bmm(act.transpose(0, 1), w["down"].transpose(1, 2)).sum(0)
+                    if (i, "down") in handles:  # the experts' down projections side by side
+                        h = h + torch.ops.miles.packed_linear(
+                            act.reshape(slots, experts * inner), handles[i, "down"], x.shape[-1]
+                        )
+                    else:
+                        h = h + torch.bmm(act.transpose(0, 1), w["down"].transpose(1, 2)).sum(0)
                 else:
                     h = h + torch.ops.miles.expert_mlp(x, chosen, chosen_p, w["gate_up"], w["down"])
                 routed.append(chosen)
             else:
                 inner = w["down"].shape[1]
-                gu = linear(x, w["gate_up"])
-                h = h + linear(F.silu(gu[:, :inner]) * gu[:, inner:], w["down"])
-        logits = linear(rms_norm(h, final_norm, eps), lm_head).float()
+                gu = project(x, i, "gate_up", w["gate_up"])
+                h = h + project(F.silu(gu[:, :inner]) * gu[:, inner:], i, "down", w["down"])
+        logits = project(rms_norm(h, final_norm, eps), -1, "lm_head", lm_head).float()
         return logits, (torch.stack(routed, dim=1) if routed else None)
 
     return step
@@ -195,7 +267,7 @@ def _own_code(fn: Callable) -> Callable:
 class CompiledDecode:
     """`FastDecoder`'s step compiled per KV-length bucket; called like it."""
 
-    def __init__(self, decoder: FastDecoder, slots: int, max_len: int) -> None:
+    def __init__(self, decoder: FastDecoder, slots: int, max_len: int, onednn: bool | None = None) -> None:
         reason = compile_unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the compiled decode step cannot run this model: {reason}")
@@ -205,6 +277,23 @@ class CompiledDecode:
         self.inputs += (model.lm_head.weight, model.inv_freq)
         self.steps: dict[int, Callable] = {}
         self.compile_seconds = 0.0
+        if onednn is None:  # past GEMV_ROWS, where it runs and measures faster than F.linear
+            weight = model.lm_head.weight
+            shape = (qkv_rows(model), model.config.hidden_size)
+            onednn = slots > GEMV_ROWS and onednn_works(weight.device, weight.dtype)
+            onednn = onednn and packing_pays(slots, shape, "onednn")
+        elif onednn and not onednn_works(model.lm_head.weight.device, model.lm_head.weight.dtype):
+            raise ValueError(
+                "oneDNN's packed linear does not run here (it needs a CPU build with oneDNN, fp32)"
+            )
+        self.packed = _packs(decoder, slots) if onednn else {}
+        self.handles = {key: _register(p) for key, p in self.packed.items()}
+        weakref.finalize(self, _release, list(self.handles.values()))
+
+    @property
+    def packed_bytes(self) -> int:
+        """Memory of the oneDNN-packed weight copies (0 when none)."""
+        return sum(p.nbytes for p in self.packed.values())
 
     def intact(self) -> bool:
         return self.decoder.intact()
@@ -212,7 +301,7 @@ class CompiledDecode:
     def _step(self, length: int) -> Callable:
         if length not in self.steps:
             self.steps[length] = torch.compile(
-                _own_code(_step_function(self.decoder, self.slots, self.max_len, length))
+                _own_code(_step_function(self.decoder, self.slots, self.max_len, length, self.handles))
             )
         return self.steps[length]
 

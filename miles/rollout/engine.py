@@ -107,11 +107,13 @@ class Engine:
         lean_decode: bool = True,
         packed_gemm: bool = True,
         compile_decode: bool = False,
+        onednn_gemm: bool = False,
     ) -> None:
         self.model = model.eval()
         self.lean_decode = lean_decode  # the one-token step of miles.rollout.fast_decode, where it applies
         self.packed_gemm = packed_gemm  # its full-batch projections on MKL-packed weights (CPU)
         self.compile_decode = compile_decode  # that step compiled whole (miles.rollout.compiled_decode)
+        self.onednn_gemm = onednn_gemm  # its projections on oneDNN (compiled: chosen where faster)
         self.speculator = speculator  # speculative decoding (miles/rollout/speculative.py), or None
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
@@ -158,18 +160,23 @@ class Engine:
         if reason is not None:
             self._fast, self.decode_path = None, f"general forward: {reason}"
             return
-        self._fast = FastDecoder(self.model, self.slots if self.packed_gemm else None)
+        plain = FastDecoder(self.model)  # unpacked: what the compiled step is built on
+        why_not = compile_unsupported(plain) if self.compile_decode else "not asked"
+        if why_not is None:
+            self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm or None)
+            projections = ", projections on oneDNN" if self._fast.packed else ""
+            self.decode_path = f"lean, compiled (torch.compile){projections}"
+            return
+        pack = self.packed_gemm or self.onednn_gemm
+        self._fast = FastDecoder(self.model, self.slots if pack else None, onednn=self.onednn_gemm)
         packed = self._fast.packed_rows
         self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
+        if self._fast.packing == "onednn":
+            self.decode_path = "lean, projections on oneDNN (packed weights)"
         if self._fast.packing_note:
             self.decode_path += f" ({self._fast.packing_note})"
         if self.compile_decode:
-            why_not = compile_unsupported(self._fast)
-            if why_not is None:
-                self._fast = CompiledDecode(self._fast, self.slots, self.max_seq_len)
-                self.decode_path = "lean, compiled (torch.compile)"
-            else:
-                self.decode_path += f"; not compiled: {why_not}"
+            self.decode_path += f"; not compiled: {why_not}"
 
     # ---- public API ----
 

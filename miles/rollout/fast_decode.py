@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -222,12 +223,27 @@ def mkl_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def packing_pays(rows: int, shape: tuple[int, int], trials: int = 7) -> bool:
-    """Whether MKL's packed GEMM beats F.linear at `rows` rows on a weight of `shape` on this CPU
-    (median of `trials` interleaved timings, at least 10% faster). It does on some CPUs and is
-    slower on others (the AMD VM of docs/performance.md), so the engine measures it once."""
+def onednn_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear on a packed weight runs here (a CPU build with oneDNN, fp32) and
+    agrees with F.linear to fp32 rounding."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w, x = torch.randn(64, 32), torch.randn(3, 32)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(got, F.linear(x, w), atol=1e-4))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+@functools.cache
+def packing_pays(rows: int, shape: tuple[int, int], kind: str = "mkl", trials: int = 7) -> bool:
+    """Whether a packed GEMM (`kind`: "mkl" or "onednn") beats F.linear at `rows` rows on a
+    weight of `shape` on this CPU (median of `trials` interleaved timings, at least 10% faster).
+    It does on some CPUs and is slower on others (docs/performance.md), so it is measured once."""
     w, x = torch.randn(shape), torch.randn(rows, shape[1])
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+    packed, _ = _PACKERS[kind](w, rows)
     calls = 3
 
     def timed(fn) -> float:
@@ -240,73 +256,111 @@ def packing_pays(rows: int, shape: tuple[int, int], trials: int = 7) -> bool:
     with torch.inference_mode():
         for _ in range(trials):
             plain.append(timed(lambda: F.linear(x, w)))
-            fast.append(timed(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, rows)))
+            fast.append(timed(lambda: packed(x)))
     return statistics.median(fast) < 0.9 * statistics.median(plain)
 
 
 class PackedLinear:
-    """F.linear(x, weight) through MKL's packed GEMM when x has exactly `rows` rows.
+    """F.linear(x, weight) on a weight packed once for a GEMM library: MKL's packed GEMM when x
+    has exactly `rows` rows (else F.linear; both give the same bits, or one ulp apart by CPU), or
+    with `kind="onednn"` oneDNN's linear at any row count (its own blocking: fp32 rounding differs
+    from F.linear's, by about as much as two GEMM libraries differ from each other).
 
-    The weight is packed on first use and again whenever one of its source parameters changed
-    (their version counters move with every in-place write, so a weight update is seen without
-    being announced). Any other row count takes F.linear; both give the same bits."""
+    `weight` may be a function giving the (out, in) weight, for a layout the model does not keep
+    (the experts' down projections side by side); it is called at each packing. The weight is
+    packed on first use and again whenever one of its source parameters changed (their version
+    counters move with every in-place write, so a weight update is seen without being announced)."""
 
-    def __init__(self, weight: torch.Tensor, sources: list[torch.Tensor], rows: int) -> None:
-        self.weight, self.sources, self.rows = weight, sources, rows
-        self.packed: torch.Tensor | None = None
+    def __init__(
+        self, weight: torch.Tensor | Callable[[], torch.Tensor], sources: list[torch.Tensor], rows: int,
+        kind: str = "mkl",
+    ) -> None:  # fmt: skip
+        self.weight_of = weight if callable(weight) else (lambda: weight)
+        self.sources, self.rows, self.kind = sources, rows, kind
+        self.packed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         self.versions: list[int] = []
+        self.nbytes = 0  # memory of the packed copy
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] != self.rows:
-            return F.linear(x, self.weight, bias)
+        if self.kind == "mkl" and x.shape[0] != self.rows:
+            return F.linear(x, self.weight_of(), bias)
         versions = [p._version for p in self.sources]
         if self.packed is None or versions != self.versions:
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), self.rows)
-            self.versions = versions
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+            (self.packed, self.nbytes), self.versions = (
+                _PACKERS[self.kind](self.weight_of().detach(), self.rows),
+                versions,
+            )
+        return self.packed(x, bias)
 
 
-def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None):
-    """The projection `x -> F.linear(x, weight)`, packed for `rows` rows when that is given."""
+def _mkl_packed(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
+    """MKL's packed GEMM for `rows` rows, and the packed copy's bytes."""
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    call = lambda x, bias=None: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # noqa: E731
+    return call, packed.numel() * packed.element_size()
+
+
+def _onednn_packed(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
+    """oneDNN's linear on the weight reordered into its blocked layout (any row count; `rows` is
+    a hint), and the reordered copy's bytes."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
+    call = lambda x, bias=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
+    return call, weight.numel() * weight.element_size()
+
+
+_PACKERS = {"mkl": _mkl_packed, "onednn": _onednn_packed}
+
+
+def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None, kind: str = "mkl"):
+    """The projection `x -> F.linear(x, weight)`, packed (`kind`) for `rows` rows when given."""
     if rows is not None:
-        return PackedLinear(weight, sources, rows)
+        return PackedLinear(weight, sources, rows, kind)
     return lambda x, bias=None: F.linear(x, weight, bias)
+
+
+def qkv_rows(model: Transformer) -> int:
+    """Output rows of a layer's fused q/k/v weight (the shape packing is measured at)."""
+    attn = model.model.layers[0].self_attn
+    return sum(p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
 class _Layer:
     """One decoder layer's fused weights and modules."""
 
-    def __init__(self, layer: nn.Module, rows: int | None) -> None:
+    def __init__(self, layer: nn.Module, rows: int | None, kind: str = "mkl") -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attn, self.mlp = attn, mlp
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv = self._fuse([p.weight for p in projections])
-        self.qkv_bias = None if attn.q_proj.bias is None else self._fuse([p.bias for p in projections])
+        self.qkv_sources = [p.weight for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.qkv = self._fuse(self.qkv_sources)
+        self.qkv_bias = (
+            None
+            if attn.q_proj.bias is None
+            else self._fuse([p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+        )
         self.moe = isinstance(mlp, MoE)
         if self.moe:
             experts = list(mlp.experts)
             E, inner = len(experts), experts[0].gate_proj.out_features
-            pairs = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)]
-            self.gate_up = self._fuse(pairs).view(E, 2 * inner, -1)  # (E, 2I, hidden)
-            self.down = self._fuse([e.down_proj.weight for e in experts]).view(E, -1, inner)  # (E, hidden, I)
+            self.gate_up_sources = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight)]
+            self.down_sources = [e.down_proj.weight for e in experts]
+            self.gate_up = self._fuse(self.gate_up_sources).view(E, 2 * inner, -1)  # (E, 2I, hidden)
+            self.down = self._fuse(self.down_sources).view(E, -1, inner)  # (E, hidden, I)
         else:
-            self.gate_up = self._fuse([mlp.gate_proj.weight, mlp.up_proj.weight])  # (2I, hidden)
+            self.gate_up_sources = [mlp.gate_proj.weight, mlp.up_proj.weight]
+            self.down_sources = [mlp.down_proj.weight]
+            self.gate_up = self._fuse(self.gate_up_sources)  # (2I, hidden)
             self.down = mlp.down_proj.weight
         # the projections every row goes through, packed for a full batch when asked
-        self.qkv_proj = _plain(self.qkv, [p.weight for p in projections], rows)
-        self.o_proj = _plain(attn.o_proj.weight, [attn.o_proj.weight], rows)
+        self.qkv_proj = _plain(self.qkv, self.qkv_sources, rows, kind)
+        self.o_proj = _plain(attn.o_proj.weight, [attn.o_proj.weight], rows, kind)
         if self.moe:
-            self.router = _plain(mlp.gate.weight, [mlp.gate.weight], rows)
+            self.router = _plain(mlp.gate.weight, [mlp.gate.weight], rows, kind)
             self.row_projections = [self.qkv_proj, self.o_proj, self.router]
         else:
-            self.gate_up_proj = _plain(self.gate_up, [mlp.gate_proj.weight, mlp.up_proj.weight], rows)
-            self.down_proj = _plain(self.down, [self.down], rows)
+            self.gate_up_proj = _plain(self.gate_up, self.gate_up_sources, rows, kind)
+            self.down_proj = _plain(self.down, self.down_sources, rows, kind)
             self.row_projections = [self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
 
     def _fuse(self, params: list[nn.Parameter]) -> torch.Tensor:
@@ -326,28 +380,34 @@ class _Layer:
 
 class FastDecoder:
     """One decode token for rows [0, B) of a KV cache. Build it once per engine model;
-    `packed_rows`: pack the projections for batches of that many rows (CPU with MKL only)."""
+    `packed_rows`: pack the projections for batches of that many rows (CPU with MKL only, where
+    it measures faster); `onednn`: run them on oneDNN with packed weights instead (CPU; any row
+    count; not F.linear's bits: rounding differs by fp32 ulps)."""
 
-    def __init__(self, model: Transformer, packed_rows: int | None = None) -> None:
+    def __init__(self, model: Transformer, packed_rows: int | None = None, onednn: bool = False) -> None:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the lean decode step cannot run this model: {reason}")
         self.model, cfg = model, model.config
         weight = model.lm_head.weight
-        self.packing_note = ""
-        if packed_rows is not None and (
+        self.packing_note, kind = "", "mkl"
+        if onednn:
+            if not onednn_works(weight.device, weight.dtype):
+                raise ValueError(
+                    f"oneDNN's packed linear does not run here ({weight.device}, {weight.dtype}): it needs a CPU build with oneDNN and fp32 weights"
+                )
+            packed_rows, kind = packed_rows or 1, "onednn"
+        elif packed_rows is not None and (
             packed_rows < 2 or not mkl_packing_works(weight.device, weight.dtype)
         ):
             packed_rows = None  # one row runs MKL's GEMV, which packs nothing
-        if packed_rows is not None:
-            attn = model.model.layers[0].self_attn
-            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)  # the fused q/k/v weight's shape
-            shape = (sum(p.out_features for p in qkv), attn.q_proj.in_features)
+        if packed_rows is not None and kind == "mkl":
+            shape = (qkv_rows(model), model.config.hidden_size)
             if not packing_pays(packed_rows, shape):
                 packed_rows, self.packing_note = None, f"MKL packing measured no faster at {shape} here"
-        self.packed_rows = packed_rows
-        self.layers = [_Layer(layer, packed_rows) for layer in model.model.layers]
-        self.lm_head = _plain(weight, [weight], packed_rows)
+        self.packed_rows, self.packing = packed_rows, kind if packed_rows is not None else None
+        self.layers = [_Layer(layer, packed_rows, kind) for layer in model.model.layers]
+        self.lm_head = _plain(weight, [weight], packed_rows, kind)
         self.heads, self.kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
