@@ -5,8 +5,9 @@
   256 MB sum (a read alone, which is what a decode step does to its weights);
 - GEMM bound: the step's matrix multiplies alone (q/k/v and gate/up fused, experts on a balanced
   share of the rows), run back to back over the model's own weights, so cache misses count; the
-  fastest of plain `F.linear`, MKL's packed GEMM (weights packed beforehand, not timed) and, at
-  a few rows, the compiled step's multiply-and-sum form (compiled beforehand, not timed).
+  fastest of plain `F.linear`, MKL's packed GEMM, oneDNN's linear on packed weights (weights
+  packed beforehand, not timed) and, at a few rows, the compiled step's multiply-and-sum form
+  (compiled beforehand, not timed).
 
 The tighter bound is the larger of the two times. Used by rollout_throughput.py and
 decode_profile.py.
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
 from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
-from miles.rollout.fast_decode import mkl_packing_works
+from miles.rollout.fast_decode import mkl_packing_works, onednn_works, pack_onednn
 
 
 def _best_seconds(fn, tries: int = 5) -> float:
@@ -98,8 +99,9 @@ def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torc
 
 
 def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
-    """Median time of one decode step's GEMMs alone, back to back: plain F.linear, MKL-packed, or
-    (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form, the fastest."""
+    """Median time of one decode step's GEMMs alone, back to back: plain F.linear, MKL-packed,
+    oneDNN-packed or (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form, the
+    fastest."""
     work = _step_gemms(model, batch)
     runs = {"plain": [lambda x=x, w=w: F.linear(x, w) for x, w in work]}
     if batch > 1 and mkl_packing_works(torch.device("cpu"), torch.float32):
@@ -107,6 +109,9 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
         runs["packed"] = [
             lambda x=x, w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0]) for x, w, p in packed
         ]
+    if onednn_works(torch.device("cpu"), torch.float32):
+        calls = [pack_onednn(w.detach(), x.shape[0])[0] for x, w in work]
+        runs["oneDNN"] = [lambda x=x, call=call: call(x) for (x, _), call in zip(work, calls)]
     if batch <= GEMV_ROWS and has_cpp_compiler():
         # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
         # faster than MKL's GEMV on some CPUs, so the bound has to count it

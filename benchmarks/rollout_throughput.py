@@ -80,12 +80,20 @@ def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
     return sum(lengths) / (time.perf_counter() - start)
 
 
-def miles_engine(model, tokenizer, prompts, lengths: list[int], batch: int, compile_decode: bool = False):
+def miles_engine(
+    model,
+    tokenizer,
+    prompts,
+    lengths: list[int],
+    batch: int,
+    compile_decode: bool = False,
+    onednn: bool = False,
+):
     """An engine for the workload and its requests; a compiled one has compiled its step (on a
-    first run of the workload, not timed: the time is printed)."""
+    first run of the workload, not timed: the time is printed). `onednn`: --rollout-onednn."""
     engine = Engine(
         model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1,
-        compile_decode=compile_decode,
+        compile_decode=compile_decode, onednn_gemm=onednn,
     )  # fmt: skip
     requests = [
         Request(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
@@ -154,6 +162,7 @@ def bench(
     mixed=True,
     compiled=False,
     engines=0,
+    onednn=False,
 ) -> list:
     with contextlib.redirect_stderr(io.StringIO()):
         model, tokenizer = registry.load(spec)
@@ -176,17 +185,23 @@ def bench(
     )
     for workload, (prompts, lengths) in workloads.items():
         eager = miles_engine(model, tokenizer, prompts, lengths, batch)
-        fast = (
-            miles_engine(model, tokenizer, prompts, lengths, batch, compile_decode=True) if compiled else None
-        )
-        runs: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
+        variants = {}  # the engine's other decode paths, each alternating with the rest
+        if onednn:
+            variants["--rollout-onednn"] = miles_engine(
+                model, tokenizer, prompts, lengths, batch, onednn=True
+            )
+        if compiled:
+            variants["--rollout-compile"] = miles_engine(
+                model, tokenizer, prompts, lengths, batch, compile_decode=True
+            )
+        runs: dict[str, list[tuple[float, float]]] = {which: [] for which in ("eager", *variants)}
         theirs, spread, spread_fast = [], [], []
         if many_fast is not None:  # each engine compiles its step for this workload's lengths, untimed
             many_fast.generate(copy.deepcopy(eager[1]))
         for _ in range(repeats):  # the sides alternate, so a drift of the machine hits them alike
             runs["eager"].append(run_miles(*eager))
-            if fast is not None:
-                runs["compiled"].append(run_miles(*fast))
+            for which, engine in variants.items():
+                runs[which].append(run_miles(*engine))
             if many is not None:
                 spread.append(tokens_per_second(many.generate, eager[1]))
             if many_fast is not None:
@@ -206,14 +221,14 @@ def bench(
             flush=True,
         )
         print(decode_line(workload, "", decode_only, bound_tps, bw_tps), flush=True)
-        if fast is not None:
-            rate, decode_rate = (statistics.median(x) for x in zip(*runs["compiled"]))
+        for which, engine in variants.items():
+            rate, decode_rate = (statistics.median(x) for x in zip(*runs[which]))
             print(
-                f"{'':<9} {workload:<5} with --rollout-compile: miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x | "
-                f"{rate / bound_tps:4.0%} of the bound, {rate / bw_tps:4.0%} of bandwidth",
+                f"{'':<9} {workload:<5} with {which}: miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x | "
+                f"{rate / bound_tps:4.0%} of the bound, {rate / bw_tps:4.0%} of bandwidth ({engine[0].decode_path})",
                 flush=True,
             )
-            print(decode_line(workload, " compiled", decode_rate, bound_tps, bw_tps), flush=True)
+            print(decode_line(workload, f" {which}", decode_rate, bound_tps, bw_tps), flush=True)
         for runs_, which in ((spread, ""), (spread_fast, ", compiled")):
             if runs_:
                 rate = statistics.median(runs_)
@@ -240,6 +255,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
     parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
+    parser.add_argument("--onednn", action="store_true", help="also run the engine with --rollout-onednn")
     parser.add_argument(
         "--engines",
         type=int,
@@ -263,12 +279,13 @@ def main() -> None:
             repeats=args.repeats,
             bandwidth=bandwidth,
             compiled=args.compile,
+            onednn=args.onednn,
             engines=args.engines,
         )
     if args.only in (None, "smollm2", "smollm2-16"):
         bench(
             "SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth,
-            compiled=args.compile, engines=args.engines,
+            compiled=args.compile, onednn=args.onednn, engines=args.engines,
         )  # fmt: skip
     if args.only in (None, "smollm2", "smollm2-1"):
         bench(
@@ -280,6 +297,7 @@ def main() -> None:
             bandwidth=bandwidth,
             mixed=False,
             compiled=args.compile,
+            onednn=args.onednn,
         )
 
 

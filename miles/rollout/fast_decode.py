@@ -293,14 +293,14 @@ class PackedLinear:
         return self.packed(x, bias)
 
 
-def _mkl_packed(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
+def pack_mkl(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
     """MKL's packed GEMM for `rows` rows, and the packed copy's bytes."""
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
     call = lambda x, bias=None: torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # noqa: E731
     return call, packed.numel() * packed.element_size()
 
 
-def _onednn_packed(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
+def pack_onednn(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
     """oneDNN's linear on the weight reordered into its blocked layout (any row count; `rows` is
     a hint), and the reordered copy's bytes."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
@@ -308,7 +308,7 @@ def _onednn_packed(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
     return call, weight.numel() * weight.element_size()
 
 
-_PACKERS = {"mkl": _mkl_packed, "onednn": _onednn_packed}
+_PACKERS = {"mkl": pack_mkl, "onednn": pack_onednn}
 
 
 def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None, kind: str = "mkl"):
