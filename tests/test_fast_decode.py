@@ -9,12 +9,21 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles.models import load_model, save_model
 from miles.models.routing import RoutingOptions, apply_routing
 from miles.rollout import Engine, Request, SamplingParams, fast_decode
-from miles.rollout.compiled_decode import GEMV_ROWS, _linear, _own_code, has_cpp_compiler
-from miles.rollout.fast_decode import FastDecoder, PackedLinear, expert_mlp, fuse, mkl_packing_works
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear, _own_code, _side_by_side, has_cpp_compiler
+from miles.rollout.fast_decode import (
+    FastDecoder,
+    PackedLinear,
+    expert_mlp,
+    fuse,
+    mkl_packing_works,
+    onednn_works,
+)
 from miles.rollout.sampling import gumbel_noise
 from tests.conftest import ARCHS, random_model
 
@@ -170,6 +179,76 @@ def test_packed_linear_equals_f_linear_and_repacks_on_change():
     assert torch.equal(packed(other), torch.nn.functional.linear(other, weight))
 
 
+needs_onednn = pytest.mark.skipif(
+    not onednn_works(torch.device("cpu"), torch.float32), reason="needs a CPU build with oneDNN"
+)
+
+
+def gemm_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The classic bound on an fp32 dot product's rounding error in any summation order:
+    K * u * sum(|x_k| |w_k|) per output, u = 2^-24."""
+    return x.shape[-1] * 2.0**-24 * (x.abs().double() @ w.abs().double().T)
+
+
+@needs_onednn
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), inner=st.integers(1, 300), out=st.integers(1, 200), seed=st.integers(0, 99))
+def test_onednn_packed_linear_is_a_correct_fp32_product(rows, inner, out, seed):
+    """oneDNN's product on the packed weight, at any row count (the packing's hint is another),
+    against the fp64 product: within the rounding bound every fp32 summation order obeys; the
+    bias added."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w, b = (
+        torch.randn(rows, inner, generator=gen),
+        torch.randn(out, inner, generator=gen),
+        torch.randn(out, generator=gen),
+    )
+    packed = PackedLinear(w, [w], rows=8, kind="onednn")
+    exact = x.double() @ w.double().T
+    assert ((packed(x).double() - exact).abs() <= gemm_error_bound(x, w)).all()
+    assert (
+        (packed(x, b).double() - (exact + b.double())).abs()
+        <= gemm_error_bound(x, w) + 1e-6 * b.abs().double()
+    ).all()
+
+
+@needs_onednn
+def test_onednn_packing_follows_the_weights_and_lays_experts_side_by_side():
+    """A packed weight is redone when a source parameter's version moves (an in-place update);
+    the experts' down projections side by side make the routing-weighted sum over experts one
+    product."""
+    weight = torch.nn.Parameter(torch.randn(48, 32))
+    packed = PackedLinear(weight, [weight], rows=4, kind="onednn")
+    x = torch.randn(5, 32)
+    first = packed(x)
+    with torch.no_grad():
+        weight.mul_(-2)
+    assert torch.allclose(packed(x), -2 * first, atol=1e-4) and packed.nbytes == weight.numel() * 4
+    E, hidden, inner, B = 3, 16, 8, 5
+    down, act = torch.randn(E, hidden, inner), torch.randn(B, E, inner)
+    want = torch.bmm(act.transpose(0, 1), down.transpose(1, 2)).sum(0)  # each expert, summed
+    side = PackedLinear(lambda: _side_by_side(down), [down], rows=B, kind="onednn")
+    assert torch.allclose(side(act.reshape(B, E * inner)), want, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_lean_step_on_onednn_keeps_the_tokens_and_log_probs(arch):
+    """--rollout-onednn: the lean step's projections on oneDNN; against the general forward
+    (F.linear): the same tokens and experts, log-probs within fp32 rounding (1e-5)."""
+    model = random_model(arch, seed=3)
+    engine = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0, onednn_gemm=True)
+    assert "oneDNN" in engine.decode_path and engine._fast.packing == "onednn"
+    got = engine.generate(mixed_requests(6))
+    _, want = run(model, lean=False)
+    assert engine._fast.packed_bytes > 0
+    for a, b in zip(got, want):
+        assert a.tokens == b.tokens
+        assert max(abs(x - y) for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)) < 1e-5
+        if model.config.is_moe:
+            assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
+
+
 def test_packing_is_left_off_where_it_measures_slower(monkeypatch):
     monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape, kind="mkl": False)
     engine = Engine(random_model("qwen3", seed=1), max_batch_size=4, max_seq_len=32)
@@ -200,18 +279,24 @@ def test_gumbel_noise_is_the_per_request_draw():
 
 
 @pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
-def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update():
-    """--rollout-compile (4 slots: the few-row products; 4 experts for top-2: the dense expert
-    form): the same greedy tokens and log-probs within fp32 rounding of fused kernels, the same
-    experts recorded; a weight update changes the outputs without compiling again (weights are
-    graph inputs)."""
+@pytest.mark.parametrize("slots", [4, 6], ids=["few-row products", "oneDNN products"])
+def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update(slots):
+    """--rollout-compile (4 experts for top-2: the dense expert form; 4 slots: the few-row
+    products; 6: every projection on oneDNN's packed weights, the experts' down projections side
+    by side, where oneDNN runs): the same greedy tokens and log-probs within fp32 rounding of
+    fused kernels, the same experts recorded; a weight update changes the outputs without
+    compiling again (weights are graph inputs; packed copies are redone)."""
     import torch._dynamo
 
     model = random_model("qwen3_moe", seed=4)
     greedy = [Request([5 + i, 6, 7], SamplingParams(temperature=0, max_new_tokens=6)) for i in range(3)]
-    lean = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0)
-    compiled = Engine(model, max_batch_size=4, max_seq_len=64, seed=0, compile_decode=True)
+    lean = Engine(copy.deepcopy(model), max_batch_size=slots, max_seq_len=64, seed=0)
+    compiled = Engine(model, max_batch_size=slots, max_seq_len=64, seed=0, compile_decode=True)
     assert compiled.decode_path.startswith("lean, compiled")
+    onednn = slots > GEMV_ROWS and onednn_works(torch.device("cpu"), torch.float32)
+    assert {name for _, name in compiled._fast.packed} == (
+        {"qkv", "o", "gate_up", "down", "lm_head"} if onednn else set()
+    )
     before = compiled_agrees_with_lean(lean, compiled, greedy)
     compiles = len(compiled._fast.steps), torch._dynamo.utils.counters["stats"]["unique_graphs"]
     gen = torch.Generator().manual_seed(7)

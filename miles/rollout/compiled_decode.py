@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput
+from miles.rollout import fast_decode
 from miles.rollout.fast_decode import (
     FastDecoder,
     PackedLinear,
@@ -55,8 +56,6 @@ from miles.rollout.fast_decode import (
     cache_rows,
     expert_mlp,
     onednn_works,
-    packing_pays,
-    qkv_rows,
     rms_norm,
     rope_tables,
     route,
@@ -160,26 +159,31 @@ def _side_by_side(down: torch.Tensor) -> torch.Tensor:
     return down.permute(1, 0, 2).reshape(down.shape[1], -1)
 
 
-def _packs(decoder: FastDecoder, slots: int) -> dict[tuple[int, str], PackedLinear]:
+def _packs(decoder: FastDecoder, slots: int, measure: bool) -> dict[tuple[int, str], PackedLinear]:
     """oneDNN-packed projections of the compiled step, by (layer, name); the LM head at layer -1.
-    The dense experts' down projections are packed side by side, (hidden, E * I), so that the
-    weighted sum over experts is one GEMM."""
-    out: dict[tuple[int, str], PackedLinear] = {}
+    `measure`: only those whose shape measures faster on oneDNN than F.linear at `slots` rows
+    (`packing_pays`, once per shape). The dense experts' down projections are packed side by
+    side, (hidden, E * I), so that the weighted sum over experts is one GEMM."""
+    candidates: dict[tuple[int, str], tuple] = {}
     for i, layer in enumerate(decoder.layers):
-        out[i, "qkv"] = PackedLinear(layer.qkv, layer.qkv_sources, slots, "onednn")
+        candidates[i, "qkv"] = (layer.qkv, layer.qkv_sources)
         o = layer.attn.o_proj.weight
-        out[i, "o"] = PackedLinear(o, [o], slots, "onednn")
+        candidates[i, "o"] = (o, [o])
         if layer.moe:
             if layer.down.shape[0] <= DENSE_EXPERTS * decoder.model.config.num_experts_per_tok:
                 gate_up = layer.gate_up.view(-1, layer.gate_up.shape[-1])
-                out[i, "gate_up"] = PackedLinear(gate_up, layer.gate_up_sources, slots, "onednn")
-                side_by_side = functools.partial(_side_by_side, layer.down)
-                out[i, "down"] = PackedLinear(side_by_side, layer.down_sources, slots, "onednn")
+                candidates[i, "gate_up"] = (gate_up, layer.gate_up_sources)
+                candidates[i, "down"] = (functools.partial(_side_by_side, layer.down), layer.down_sources)
         else:
-            out[i, "gate_up"] = PackedLinear(layer.gate_up, layer.gate_up_sources, slots, "onednn")
-            out[i, "down"] = PackedLinear(layer.down, layer.down_sources, slots, "onednn")
+            candidates[i, "gate_up"] = (layer.gate_up, layer.gate_up_sources)
+            candidates[i, "down"] = (layer.down, layer.down_sources)
     head = decoder.model.lm_head.weight
-    out[-1, "lm_head"] = PackedLinear(head, [head], slots, "onednn")
+    candidates[-1, "lm_head"] = (head, [head])
+    out = {}
+    for key, (weight, sources) in candidates.items():
+        shape = tuple((weight() if callable(weight) else weight).shape)
+        if not measure or fast_decode.packing_pays(slots, shape, "onednn"):
+            out[key] = PackedLinear(weight, sources, slots, "onednn")
     return out
 
 
@@ -277,16 +281,15 @@ class CompiledDecode:
         self.inputs += (model.lm_head.weight, model.inv_freq)
         self.steps: dict[int, Callable] = {}
         self.compile_seconds = 0.0
-        if onednn is None:  # past GEMV_ROWS, where it runs and measures faster than F.linear
-            weight = model.lm_head.weight
-            shape = (qkv_rows(model), model.config.hidden_size)
-            onednn = slots > GEMV_ROWS and onednn_works(weight.device, weight.dtype)
-            onednn = onednn and packing_pays(slots, shape, "onednn")
-        elif onednn and not onednn_works(model.lm_head.weight.device, model.lm_head.weight.dtype):
+        weight = model.lm_head.weight
+        if onednn and not onednn_works(weight.device, weight.dtype):
             raise ValueError(
                 "oneDNN's packed linear does not run here (it needs a CPU build with oneDNN, fp32)"
             )
-        self.packed = _packs(decoder, slots) if onednn else {}
+        measure = onednn is None  # then past GEMV_ROWS, each projection where it measures faster
+        if measure:
+            onednn = slots > GEMV_ROWS and onednn_works(weight.device, weight.dtype)
+        self.packed = _packs(decoder, slots, measure) if onednn else {}
         self.handles = {key: _register(p) for key, p in self.packed.items()}
         weakref.finalize(self, _release, list(self.handles.values()))
 

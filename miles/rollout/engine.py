@@ -164,7 +164,8 @@ class Engine:
         why_not = compile_unsupported(plain) if self.compile_decode else "not asked"
         if why_not is None:
             self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm or None)
-            projections = ", projections on oneDNN" if self._fast.packed else ""
+            names = sorted({name for _, name in self._fast.packed})
+            projections = f", on oneDNN: {', '.join(names)}" if names else ""
             self.decode_path = f"lean, compiled (torch.compile){projections}"
             return
         pack = self.packed_gemm or self.onednn_gemm
