@@ -4,7 +4,8 @@ engine's lean eager step (miles/rollout/fast_decode.py), on the same cache and w
     .venv/bin/python benchmarks/compiled_decode.py [--model tiny|smollm2] [--batch 64]
 
 Printed: compile time, ms per step of each, and the largest logit difference (fused kernels
-round differently).
+round differently); the same for the compiled step with its projections on oneDNN
+(`--rollout-onednn`: every one past 4 rows, not only those measured faster).
 """
 
 from __future__ import annotations
@@ -45,13 +46,21 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (args.batch,))
     positions = torch.randint(args.length // 4, args.length - 1, (args.batch,))
     want = lean(ids, positions, cache).logits
-    got = compiled(ids, positions, cache).logits  # compiles
-    print(
-        f"{args.model}, batch {args.batch}, {args.length} KV positions: compile {compiled.compile_seconds:.1f} s; "
-        f"lean eager {median_ms(lambda: lean(ids, positions, cache)):.2f} ms/step, "
-        f"compiled {median_ms(lambda: compiled(ids, positions, cache)):.2f} ms/step; "
-        f"largest logit difference {(got - want).abs().max():.1e}"
-    )
+    sides = {"lean eager": lean}
+    for onednn in (False, True):
+        compiled = CompiledDecode(lean, args.batch, args.length, onednn=onednn, measure=False)
+        got = compiled(ids, positions, cache).logits  # compiles
+        name = "compiled" + (" + oneDNN" if compiled.packed else "")
+        print(
+            f"{name}: compile {compiled.compile_seconds:.1f} s, largest logit difference from lean "
+            f"{(got - want).abs().max():.1e}"
+        )
+        sides[name] = compiled
+    for _ in range(2):  # interleaved, so the machine's drift hits every side
+        line = ", ".join(
+            f"{name} {median_ms(lambda f=f: f(ids, positions, cache)):.2f}" for name, f in sides.items()
+        )
+        print(f"{args.model}, batch {args.batch}, {args.length} KV positions, ms per step: {line}")
 
 
 if __name__ == "__main__":

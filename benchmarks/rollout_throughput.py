@@ -191,8 +191,9 @@ def bench(
                 model, tokenizer, prompts, lengths, batch, onednn=True
             )
         if compiled:
-            variants["--rollout-compile"] = miles_engine(
-                model, tokenizer, prompts, lengths, batch, compile_decode=True
+            flags = "--rollout-compile" + (" --rollout-onednn" if onednn else "")
+            variants[flags] = miles_engine(
+                model, tokenizer, prompts, lengths, batch, compile_decode=True, onednn=onednn
             )
         runs: dict[str, list[tuple[float, float]]] = {which: [] for which in ("eager", *variants)}
         theirs, spread, spread_fast = [], [], []

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miles.errors import MilesError
 from miles.models import load_model, save_model
 from miles.models.routing import RoutingOptions, apply_routing
 from miles.rollout import Engine, Request, SamplingParams, fast_decode
@@ -249,6 +250,13 @@ def test_lean_step_on_onednn_keeps_the_tokens_and_log_probs(arch):
             assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
 
 
+def test_onednn_asked_where_it_cannot_run_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(fast_decode, "onednn_works", lambda device, dtype: False)
+    monkeypatch.setattr("miles.rollout.engine.onednn_works", lambda device, dtype: False)
+    with pytest.raises(MilesError, match="--rollout-onednn.*CPU with fp32"):
+        Engine(random_model("qwen3", seed=1), max_batch_size=2, max_seq_len=32, onednn_gemm=True)
+
+
 def test_packing_is_left_off_where_it_measures_slower(monkeypatch):
     monkeypatch.setattr(fast_decode, "packing_pays", lambda rows, shape, kind="mkl": False)
     engine = Engine(random_model("qwen3", seed=1), max_batch_size=4, max_seq_len=32)
@@ -282,8 +290,8 @@ def test_gumbel_noise_is_the_per_request_draw():
 @pytest.mark.parametrize("slots", [4, 6], ids=["few-row products", "oneDNN products"])
 def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update(slots):
     """--rollout-compile (4 experts for top-2: the dense expert form; 4 slots: the few-row
-    products; 6: every projection on oneDNN's packed weights, the experts' down projections side
-    by side, where oneDNN runs): the same greedy tokens and log-probs within fp32 rounding of
+    products; 6, with --rollout-onednn where oneDNN runs: every projection on oneDNN's packed
+    weights, the experts' down projections side by side): the same greedy tokens and log-probs within fp32 rounding of
     fused kernels, the same experts recorded; a weight update changes the outputs without
     compiling again (weights are graph inputs; packed copies are redone)."""
     import torch._dynamo
@@ -291,9 +299,11 @@ def test_compiled_step_agrees_with_the_lean_step_and_survives_a_weight_update(sl
     model = random_model("qwen3_moe", seed=4)
     greedy = [Request([5 + i, 6, 7], SamplingParams(temperature=0, max_new_tokens=6)) for i in range(3)]
     lean = Engine(copy.deepcopy(model), max_batch_size=slots, max_seq_len=64, seed=0)
-    compiled = Engine(model, max_batch_size=slots, max_seq_len=64, seed=0, compile_decode=True)
-    assert compiled.decode_path.startswith("lean, compiled")
     onednn = slots > GEMV_ROWS and onednn_works(torch.device("cpu"), torch.float32)
+    compiled = Engine(
+        model, max_batch_size=slots, max_seq_len=64, seed=0, compile_decode=True, onednn_gemm=onednn
+    )
+    assert compiled.decode_path.startswith("lean, compiled")
     assert {name for _, name in compiled._fast.packed} == (
         {"qkv", "o", "gate_up", "down", "lm_head"} if onednn else set()
     )

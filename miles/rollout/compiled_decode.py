@@ -26,7 +26,11 @@ What inductor is given, and why:
   weight once at about the rate of a plain sum over memory; MKL's GEMV read at a third of that
   on the CPU of docs/performance.md's third pass;
 - the attention stays two batched GEMMs around a fused softmax (written as a multiply and a sum
-  it measured no faster).
+  it measured no faster);
+- with `--rollout-onednn`, past `GEMV_ROWS` rows, each projection whose shape measures faster on
+  oneDNN than `F.linear` runs there on a weight packed once (the custom op
+  `miles::packed_linear`; repacked when a weight's version moves). Where MKL is slow at these
+  sizes (AMD CPUs) that halves SmolLM2's step at batch 16 (docs/performance.md).
 
 Weights are inputs of the compiled graph, not constants: a weight update (an in-place copy into
 the parameters, hence into the fused tensors) needs no recompilation.
@@ -269,9 +273,13 @@ def _own_code(fn: Callable) -> Callable:
 
 
 class CompiledDecode:
-    """`FastDecoder`'s step compiled per KV-length bucket; called like it."""
+    """`FastDecoder`'s step compiled per KV-length bucket; called like it. `onednn`
+    (--rollout-onednn): past GEMV_ROWS rows, the projections whose shape measures faster on
+    oneDNN run there, on weights packed once (`miles::packed_linear`, opaque to inductor)."""
 
-    def __init__(self, decoder: FastDecoder, slots: int, max_len: int, onednn: bool | None = None) -> None:
+    def __init__(
+        self, decoder: FastDecoder, slots: int, max_len: int, onednn: bool = False, measure: bool = True
+    ) -> None:
         reason = compile_unsupported(decoder)
         if reason is not None:
             raise ValueError(f"the compiled decode step cannot run this model: {reason}")
@@ -286,10 +294,9 @@ class CompiledDecode:
             raise ValueError(
                 "oneDNN's packed linear does not run here (it needs a CPU build with oneDNN, fp32)"
             )
-        measure = onednn is None  # then past GEMV_ROWS, each projection where it measures faster
-        if measure:
-            onednn = slots > GEMV_ROWS and onednn_works(weight.device, weight.dtype)
-        self.packed = _packs(decoder, slots, measure) if onednn else {}
+        # past GEMV_ROWS (where the multiply-sum form reads faster), each projection whose shape
+        # measures faster on oneDNN; `measure=False` (tests, benchmarks): all of them
+        self.packed = _packs(decoder, slots, measure) if onednn and slots > GEMV_ROWS else {}
         self.handles = {key: _register(p) for key, p in self.packed.items()}
         weakref.finalize(self, _release, list(self.handles.values()))
 

@@ -25,7 +25,7 @@ from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.rollout.compiled_decode import CompiledDecode, compile_unsupported
-from miles.rollout.fast_decode import FastDecoder, unsupported
+from miles.rollout.fast_decode import FastDecoder, onednn_works, unsupported
 from miles.rollout.noise import NoiseBank, rows_ahead
 from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
@@ -160,10 +160,16 @@ class Engine:
         if reason is not None:
             self._fast, self.decode_path = None, f"general forward: {reason}"
             return
+        weight = self.model.lm_head.weight
+        if self.onednn_gemm and not onednn_works(weight.device, weight.dtype):
+            raise MilesError(
+                f"--rollout-onednn: oneDNN's packed linear runs on CPU with fp32 weights (and a torch built with "
+                f"oneDNN); the rollout model is on {weight.device} in {weight.dtype}. Drop the flag there"
+            )
         plain = FastDecoder(self.model)  # unpacked: what the compiled step is built on
         why_not = compile_unsupported(plain) if self.compile_decode else "not asked"
         if why_not is None:
-            self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm or None)
+            self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm)
             names = sorted({name for _, name in self._fast.packed})
             projections = f", on oneDNN: {', '.join(names)}" if names else ""
             self.decode_path = f"lean, compiled (torch.compile){projections}"
@@ -173,7 +179,9 @@ class Engine:
         packed = self._fast.packed_rows
         self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
         if self._fast.packing == "onednn":
-            self.decode_path = "lean, projections on oneDNN (packed weights)"
+            total = len(self._fast.layers) * len(self._fast.layers[0].row_projections) + 1
+            on = len(self._fast.packed_projections())
+            self.decode_path = f"lean, {on} of {total} projections on oneDNN (where it measured faster)"
         if self._fast.packing_note:
             self.decode_path += f" ({self._fast.packing_note})"
         if self.compile_decode:

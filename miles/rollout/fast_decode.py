@@ -312,8 +312,10 @@ _PACKERS = {"mkl": pack_mkl, "onednn": pack_onednn}
 
 
 def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None, kind: str = "mkl"):
-    """The projection `x -> F.linear(x, weight)`, packed (`kind`) for `rows` rows when given."""
-    if rows is not None:
+    """The projection `x -> F.linear(x, weight)`, packed (`kind`) for `rows` rows when given; on
+    oneDNN only where that measures faster at this weight's shape (MKL is measured once for
+    the whole model, by the caller)."""
+    if rows is not None and (kind == "mkl" or packing_pays(rows, tuple(weight.shape), kind)):
         return PackedLinear(weight, sources, rows, kind)
     return lambda x, bias=None: F.linear(x, weight, bias)
 
@@ -381,8 +383,9 @@ class _Layer:
 class FastDecoder:
     """One decode token for rows [0, B) of a KV cache. Build it once per engine model;
     `packed_rows`: pack the projections for batches of that many rows (CPU with MKL only, where
-    it measures faster); `onednn`: run them on oneDNN with packed weights instead (CPU; any row
-    count; not F.linear's bits: rounding differs by fp32 ulps)."""
+    it measures faster); `onednn`: run each projection whose shape measures faster there on
+    oneDNN with a packed weight instead (CPU; any row count; not F.linear's bits: rounding
+    differs by fp32 ulps)."""
 
     def __init__(self, model: Transformer, packed_rows: int | None = None, onednn: bool = False) -> None:
         reason = unsupported(model)
@@ -420,8 +423,11 @@ class FastDecoder:
     @property
     def packed_bytes(self) -> int:
         """Memory of the packed weight copies (0 when nothing is packed)."""
-        packed = [self.lm_head, *(p for layer in self.layers for p in layer.row_projections)]
-        return sum(p.nbytes for p in packed if isinstance(p, PackedLinear))
+        return sum(p.nbytes for p in self.packed_projections())
+
+    def packed_projections(self) -> list[PackedLinear]:
+        projections = [self.lm_head, *(p for layer in self.layers for p in layer.row_projections)]
+        return [p for p in projections if isinstance(p, PackedLinear)]
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
