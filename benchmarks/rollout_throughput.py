@@ -4,10 +4,12 @@ and against the machine's own limit for a decode step (`decode_bound.py`).
     .venv/bin/python benchmarks/rollout_throughput.py            # tiny MoE @64, SmolLM2 @16 and @1
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny --engines 2   # also 2 Ray engines
+    .venv/bin/python benchmarks/rollout_throughput.py --compile --onednn   # also those engine flags
 
 Both sides get the same model weights, the same prompts and temperature-1 sampling, and
 produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the sides
-(miles, miles compiled with --compile, transformers) alternating. Two workloads:
+(miles, miles with each asked flag, transformers) alternating, each round starting one side
+further along (on this VM a side's place in the round moved it by up to ~20%). Two workloads:
 
 - fixed: every prompt gets the same number of new tokens (EOS ignored): raw decoding speed.
 - mixed (RL-like): 4 batches' worth of prompts whose responses end at different lengths (drawn
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import statistics
 import tempfile
@@ -195,19 +198,22 @@ def bench(
             variants[flags] = miles_engine(
                 model, tokenizer, prompts, lengths, batch, compile_decode=True, onednn=onednn
             )
-        runs: dict[str, list[tuple[float, float]]] = {which: [] for which in ("eager", *variants)}
-        theirs, spread, spread_fast = [], [], []
         if many_fast is not None:  # each engine compiles its step for this workload's lengths, untimed
             many_fast.generate(copy.deepcopy(eager[1]))
-        for _ in range(repeats):  # the sides alternate, so a drift of the machine hits them alike
-            runs["eager"].append(run_miles(*eager))
-            for which, engine in variants.items():
-                runs[which].append(run_miles(*engine))
-            if many is not None:
-                spread.append(tokens_per_second(many.generate, eager[1]))
-            if many_fast is not None:
-                spread_fast.append(tokens_per_second(many_fast.generate, eager[1]))
-            theirs.append(run_hf(hf, tokenizer, prompts, lengths, batch))
+        sides = {"eager": functools.partial(run_miles, *eager)}
+        sides.update({which: functools.partial(run_miles, *engine) for which, engine in variants.items()})
+        if many is not None:
+            sides["many"] = functools.partial(tokens_per_second, many.generate, eager[1])
+        if many_fast is not None:
+            sides["many compiled"] = functools.partial(tokens_per_second, many_fast.generate, eager[1])
+        sides["transformers"] = functools.partial(run_hf, hf, tokenizer, prompts, lengths, batch)
+        results: dict[str, list] = {side: [] for side in sides}
+        order = list(sides)
+        for r in range(repeats):  # the sides alternate, each round starting one further along:
+            for side in order[r % len(order) :] + order[: r % len(order)]:  # drift and order hit all alike
+                results[side].append(sides[side]())
+        runs, theirs = results, results["transformers"]
+        spread, spread_fast = results.get("many", []), results.get("many compiled", [])
         theirs = statistics.median(theirs)
         ours, decode_only = (statistics.median(x) for x in zip(*runs["eager"]))
         context = round(statistics.mean(map(len, prompts)) + statistics.mean(lengths) / 2)
