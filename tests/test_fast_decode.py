@@ -185,10 +185,13 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
-def gemm_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The classic bound on an fp32 dot product's rounding error in any summation order:
-    K * u * sum(|x_k| |w_k|) per output, u = 2^-24."""
-    return x.shape[-1] * 2.0**-24 * (x.abs().double() @ w.abs().double().T)
+def gemm_error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The classic bound on an fp32 dot product's rounding error in any summation order, a bias
+    added after: (K + 1) * u * (sum(|x_k| |w_k|) + |b|) per output, u = 2^-24."""
+    magnitude = x.abs().double() @ w.abs().double().T
+    if b is not None:
+        magnitude = magnitude + b.abs().double()
+    return (x.shape[-1] + 1) * 2.0**-24 * magnitude
 
 
 @needs_onednn
@@ -207,10 +210,7 @@ def test_onednn_packed_linear_is_a_correct_fp32_product(rows, inner, out, seed):
     packed = PackedLinear(w, [w], rows=8, kind="onednn")
     exact = x.double() @ w.double().T
     assert ((packed(x).double() - exact).abs() <= gemm_error_bound(x, w)).all()
-    assert (
-        (packed(x, b).double() - (exact + b.double())).abs()
-        <= gemm_error_bound(x, w) + 1e-6 * b.abs().double()
-    ).all()
+    assert ((packed(x, b).double() - (exact + b.double())).abs() <= gemm_error_bound(x, w, b)).all()
 
 
 @needs_onednn
@@ -235,14 +235,20 @@ def test_onednn_packing_follows_the_weights_and_lays_experts_side_by_side():
 @needs_onednn
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
 def test_lean_step_on_onednn_keeps_the_tokens_and_log_probs(arch):
-    """--rollout-onednn: the lean step's projections on oneDNN; against the general forward
-    (F.linear): the same tokens and experts, log-probs within fp32 rounding (1e-5)."""
+    """--rollout-onednn: the lean step's projections on oneDNN, and the prefill's (the general
+    forward's F.linear calls rerouted); against the general forward on F.linear: the same tokens
+    and experts, log-probs within fp32 rounding (1e-5)."""
     model = random_model(arch, seed=3)
     engine = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0, onednn_gemm=True)
     assert "oneDNN" in engine.decode_path and engine._fast.packing == "onednn"
     got = engine.generate(mixed_requests(6))
     _, want = run(model, lean=False)
     assert engine._fast.packed_bytes > 0
+    prefill = engine._prefill_mode.table  # every projection, q/k/v apart (the forward's own calls)
+    attn = engine.model.model.layers[0].self_attn
+    assert len(prefill) >= len(list(fast_decode.projections(engine.model)))
+    assert prefill[id(attn.q_proj.weight)].packed is not None  # the prefill ran it
+    assert prefill[id(attn.o_proj.weight)] is engine._fast.layers[0].o_proj  # shared with the step
     for a, b in zip(got, want):
         assert a.tokens == b.tokens
         assert max(abs(x - y) for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)) < 1e-5

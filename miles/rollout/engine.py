@@ -14,7 +14,7 @@ import operator
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -25,7 +25,7 @@ from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.rollout.compiled_decode import CompiledDecode, compile_unsupported
-from miles.rollout.fast_decode import FastDecoder, onednn_works, unsupported
+from miles.rollout.fast_decode import FastDecoder, PackedPrefill, onednn_works, prefill_packs, unsupported
 from miles.rollout.noise import NoiseBank, rows_ahead
 from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
@@ -156,6 +156,7 @@ class Engine:
 
     def _fast_for_model(self) -> None:
         """(Re)build the lean decode step for the model as it is now, or fall back to its forward."""
+        self._prefill_mode: PackedPrefill | None = None  # the prefill's packed projections
         reason = unsupported(self.model) if self.lean_decode else "off (lean_decode=False)"
         if reason is not None:
             self._fast, self.decode_path = None, f"general forward: {reason}"
@@ -173,6 +174,7 @@ class Engine:
             names = sorted({name for _, name in self._fast.packed})
             projections = f", on oneDNN: {', '.join(names)}" if names else ""
             self.decode_path = f"lean, compiled (torch.compile){projections}"
+            self._prefill_on_onednn(list(self._fast.packed.values()))
             return
         pack = self.packed_gemm or self.onednn_gemm
         self._fast = FastDecoder(self.model, self.slots if pack else None, onednn=self.onednn_gemm)
@@ -186,6 +188,15 @@ class Engine:
             self.decode_path += f" ({self._fast.packing_note})"
         if self.compile_decode:
             self.decode_path += f"; not compiled: {why_not}"
+        self._prefill_on_onednn(self._fast.packed_projections())
+
+    def _prefill_on_onednn(self, shared: list) -> None:
+        """With --rollout-onednn, the prefill's projections on oneDNN too (where each measures
+        faster), the decode step's packs reused where they hold the same weight."""
+        if self.onednn_gemm:
+            table = prefill_packs(self.model, self.slots, shared)
+            self._prefill_mode = PackedPrefill(table) if table else None
+            self.decode_path += f"; prefill: {len(table)} projections on oneDNN"
 
     # ---- public API ----
 
@@ -435,7 +446,7 @@ class Engine:
         last = torch.tensor([len(x) - 1 for x in unique])
         real = positions <= last[:, None]  # right padding takes no MoE capacity
         dev = self.device
-        with torch.no_grad():
+        with torch.no_grad(), self._prefill_mode or nullcontext():
             out = self.model(
                 ids.to(dev),
                 positions=positions.to(dev),

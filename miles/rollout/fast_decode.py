@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer, rope_cos_sin
@@ -276,6 +277,7 @@ class PackedLinear:
         kind: str = "mkl",
     ) -> None:  # fmt: skip
         self.weight_of = weight if callable(weight) else (lambda: weight)
+        self.weight = None if callable(weight) else weight  # the tensor F.linear would be given
         self.sources, self.rows, self.kind = sources, rows, kind
         self.packed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         self.versions: list[int] = []
@@ -309,6 +311,38 @@ def pack_onednn(weight: torch.Tensor, rows: int) -> tuple[Callable, int]:
 
 
 _PACKERS = {"mkl": pack_mkl, "onednn": pack_onednn}
+
+
+class PackedPrefill(TorchFunctionMode):
+    """While active, `F.linear` on a weight of `table` (by identity) runs that weight's packed
+    product: the engine's prefill, which goes through the model's general forward, then takes
+    the same oneDNN products as its decode step (`--rollout-onednn`) without the model's code
+    knowing. Any other call passes through unchanged."""
+
+    def __init__(self, table: dict[int, PackedLinear]) -> None:
+        super().__init__()
+        self.table = table
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            packed = self.table.get(id(args[1] if len(args) > 1 else kwargs["weight"]))
+            if packed is not None:
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return packed(args[0] if args else kwargs["input"], bias)
+        return func(*args, **kwargs)
+
+
+def prefill_packs(model: Transformer, rows: int, shared: list[PackedLinear]) -> dict[int, PackedLinear]:
+    """oneDNN packs for the general forward's projections (by weight identity), each where its
+    shape measures faster at `rows` rows; `shared`: packs of the decode step to reuse where they
+    hold the same weight (o, down, the LM head), so only the fused ones get a second copy."""
+    table = {id(p.weight): p for p in shared if p.weight is not None and p.kind == "onednn"}
+    for module in projections(model):
+        w = module.weight
+        if id(w) not in table and packing_pays(rows, tuple(w.shape), "onednn"):
+            table[id(w)] = PackedLinear(w, [w], rows, "onednn")
+    return table
 
 
 def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None, kind: str = "mkl"):
