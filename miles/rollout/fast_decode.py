@@ -337,11 +337,11 @@ def prefill_packs(model: Transformer, rows: int, shared: list[PackedLinear]) -> 
     """oneDNN packs for the general forward's projections (by weight identity), each where its
     shape measures faster at `rows` rows; `shared`: packs of the decode step to reuse where they
     hold the same weight (o, down, the LM head), so only the fused ones get a second copy."""
-    table = {id(p.weight): p for p in shared if p.weight is not None and p.kind == "onednn"}
-    for module in projections(model):
-        w = module.weight
-        if id(w) not in table and packing_pays(rows, tuple(w.shape), "onednn"):
-            table[id(w)] = PackedLinear(w, [w], rows, "onednn")
+    weights = {id(module.weight): module.weight for module in projections(model)}
+    table = {id(p.weight): p for p in shared if p.kind == "onednn" and id(p.weight) in weights}
+    for key, w in weights.items():
+        if key not in table and packing_pays(rows, tuple(w.shape), "onednn"):
+            table[key] = PackedLinear(w, [w], rows, "onednn")
     return table
 
 
