@@ -95,10 +95,11 @@ class RolloutSection:
     )
     rollout_onednn: bool = option(
         False,
-        "CPU: run each projection of the decode step whose shape measures faster there on oneDNN, its weight packed "
-        "once (one more copy of those weights; with --rollout-compile too, past 4 requests). Where MKL is slow at "
-        "decode sizes (AMD CPUs) about 2x faster projections (SmolLM2 batch 16: ~1.9x a step); rounding then "
-        "differs from the trainer's F.linear by fp32 ulps, as train_rollout_logprob_abs_diff shows",
+        "CPU: run each projection of the decode step and the prefill whose shape measures faster there on oneDNN, "
+        "its weight packed once (one more copy of those weights; with --rollout-compile too, past 4 requests). Where "
+        "MKL is slow at these sizes (AMD CPUs) about 2x faster projections (SmolLM2 batch 16: ~1.9x a step, 2.2x "
+        "transformers end to end); rounding then differs from the trainer's F.linear by fp32 ulps, as "
+        "train_rollout_logprob_abs_diff shows",
     )
     over_sampling_batch_size: int | None = option(
         None,
