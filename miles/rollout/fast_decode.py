@@ -288,10 +288,8 @@ class PackedLinear:
             return F.linear(x, self.weight_of(), bias)
         versions = [p._version for p in self.sources]
         if self.packed is None or versions != self.versions:
-            (self.packed, self.nbytes), self.versions = (
-                _PACKERS[self.kind](self.weight_of().detach(), self.rows),
-                versions,
-            )
+            self.packed, self.nbytes = _PACKERS[self.kind](self.weight_of().detach(), self.rows)
+            self.versions = versions
         return self.packed(x, bias)
 
 
