@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
 from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
-from miles.rollout.fast_decode import mkl_packing_works, onednn_works, pack_onednn
+from miles.rollout.fast_decode import mkl_packing_works, onednn_works, pack_mkl, pack_onednn
 
 
 def _best_seconds(fn, tries: int = 5) -> float:
@@ -104,14 +104,13 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
     fastest."""
     work = _step_gemms(model, batch)
     runs = {"plain": [lambda x=x, w=w: F.linear(x, w) for x, w in work]}
-    if batch > 1 and mkl_packing_works(torch.device("cpu"), torch.float32):
-        packed = [(x, w, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), x.shape[0])) for x, w in work]
-        runs["packed"] = [
-            lambda x=x, w=w, p=p: torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0]) for x, w, p in packed
-        ]
-    if onednn_works(torch.device("cpu"), torch.float32):
-        calls = [pack_onednn(w.detach(), x.shape[0])[0] for x, w in work]
-        runs["oneDNN"] = [lambda x=x, call=call: call(x) for (x, _), call in zip(work, calls)]
+    cpu = torch.device("cpu"), torch.float32
+    packers = {"MKL-packed": (pack_mkl, batch > 1 and mkl_packing_works(*cpu))}
+    packers["oneDNN"] = (pack_onednn, onednn_works(*cpu))
+    for name, (pack, works) in packers.items():  # weights packed for each GEMM's rows, not timed
+        if works:
+            calls = [pack(w.detach(), x.shape[0])[0] for x, w in work]
+            runs[name] = [lambda x=x, call=call: call(x) for (x, _), call in zip(work, calls)]
     if batch <= GEMV_ROWS and has_cpp_compiler():
         # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
         # faster than MKL's GEMV on some CPUs, so the bound has to count it

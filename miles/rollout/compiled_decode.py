@@ -59,7 +59,7 @@ from miles.rollout.fast_decode import (
     apply_rope,
     cache_rows,
     expert_mlp,
-    onednn_works,
+    require_onednn,
     rms_norm,
     rope_tables,
     route,
@@ -289,21 +289,13 @@ class CompiledDecode:
         self.inputs += (model.lm_head.weight, model.inv_freq)
         self.steps: dict[int, Callable] = {}
         self.compile_seconds = 0.0
-        weight = model.lm_head.weight
-        if onednn and not onednn_works(weight.device, weight.dtype):
-            raise ValueError(
-                "oneDNN's packed linear does not run here (it needs a CPU build with oneDNN, fp32)"
-            )
+        if onednn:
+            require_onednn(model.lm_head.weight)
         # past GEMV_ROWS (where the multiply-sum form reads faster), each projection whose shape
         # measures faster on oneDNN; `measure=False` (tests, benchmarks): all of them
         self.packed = _packs(decoder, slots, measure) if onednn and slots > GEMV_ROWS else {}
         self.handles = {key: _register(p) for key, p in self.packed.items()}
         weakref.finalize(self, _release, list(self.handles.values()))
-
-    @property
-    def packed_bytes(self) -> int:
-        """Memory of the oneDNN-packed weight copies (0 when none)."""
-        return sum(p.nbytes for p in self.packed.values())
 
     def intact(self) -> bool:
         return self.decoder.intact()

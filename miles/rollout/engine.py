@@ -167,26 +167,27 @@ class Engine:
                 f"--rollout-onednn: oneDNN's packed linear runs on CPU with fp32 weights (and a torch built with "
                 f"oneDNN); the rollout model is on {weight.device} in {weight.dtype}. Drop the flag there"
             )
-        plain = FastDecoder(self.model)  # unpacked: what the compiled step is built on
-        why_not = compile_unsupported(plain) if self.compile_decode else "not asked"
-        if why_not is None:
-            self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm)
-            names = sorted({name for _, name in self._fast.packed})
-            projections = f", on oneDNN: {', '.join(names)}" if names else ""
-            self.decode_path = f"lean, compiled (torch.compile){projections}"
-            self._prefill_on_onednn(list(self._fast.packed.values()))
-            return
+        why_not = None
+        if self.compile_decode:
+            plain = FastDecoder(self.model)  # unpacked: the compiled step packs its own
+            why_not = compile_unsupported(plain)
+            if why_not is None:
+                self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm)
+                names = sorted({name for _, name in self._fast.packed})
+                projections = f", on oneDNN: {', '.join(names)}" if names else ""
+                self.decode_path = f"lean, compiled (torch.compile){projections}"
+                self._prefill_on_onednn(list(self._fast.packed.values()))
+                return
         pack = self.packed_gemm or self.onednn_gemm
         self._fast = FastDecoder(self.model, self.slots if pack else None, onednn=self.onednn_gemm)
         packed = self._fast.packed_rows
         self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
         if self._fast.packing == "onednn":
-            total = len(self._fast.layers) * len(self._fast.layers[0].row_projections) + 1
-            on = len(self._fast.packed_projections())
+            on, total = len(self._fast.packed_projections()), len(self._fast.row_projections())
             self.decode_path = f"lean, {on} of {total} projections on oneDNN (where it measured faster)"
         if self._fast.packing_note:
             self.decode_path += f" ({self._fast.packing_note})"
-        if self.compile_decode:
+        if why_not is not None:
             self.decode_path += f"; not compiled: {why_not}"
         self._prefill_on_onednn(self._fast.packed_projections())
 

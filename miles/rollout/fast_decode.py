@@ -208,32 +208,35 @@ def expert_mlp(
     return torch.zeros_like(x).index_add_(0, token, y)  # in the forward's order of summation
 
 
-@functools.cache
 def mkl_packing_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether MKL's packed GEMM runs here (a CPU build with MKL, fp32) and agrees with F.linear."""
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkl.is_available():
-        return False
-    try:
-        w, x = torch.randn(64, 32), torch.randn(3, 32)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 3)
-        return bool(
-            torch.allclose(torch.ops.mkl._mkl_linear(x, packed, w, None, 3), F.linear(x, w), atol=1e-5)
-        )
-    except (RuntimeError, AttributeError):
-        return False
+    return _packing_works("mkl", device, dtype)
 
 
-@functools.cache
 def onednn_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear on a packed weight runs here (a CPU build with oneDNN, fp32) and
     agrees with F.linear to fp32 rounding."""
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    return _packing_works("onednn", device, dtype)
+
+
+def require_onednn(weight: torch.Tensor) -> None:
+    """Raise unless oneDNN's packed linear can run on `weight`'s device and dtype."""
+    if not onednn_works(weight.device, weight.dtype):
+        raise ValueError(
+            f"oneDNN's packed linear does not run here ({weight.device}, {weight.dtype}): it needs a CPU "
+            "build with oneDNN and fp32 weights"
+        )
+
+
+@functools.cache
+def _packing_works(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
+    library = {"mkl": torch.backends.mkl, "onednn": torch.backends.mkldnn}[kind]
+    if device.type != "cpu" or dtype != torch.float32 or not library.is_available():
         return False
     try:
         w, x = torch.randn(64, 32), torch.randn(3, 32)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 3)
-        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w), atol=1e-4))
+        packed, _ = _PACKERS[kind](w, 3)
+        return bool(torch.allclose(packed(x), F.linear(x, w), atol=1e-5 if kind == "mkl" else 1e-4))
     except (RuntimeError, AttributeError):
         return False
 
@@ -352,12 +355,6 @@ def _plain(weight: torch.Tensor, sources: list[torch.Tensor], rows: int | None, 
     return lambda x, bias=None: F.linear(x, weight, bias)
 
 
-def qkv_rows(model: Transformer) -> int:
-    """Output rows of a layer's fused q/k/v weight (the shape packing is measured at)."""
-    attn = model.model.layers[0].self_attn
-    return sum(p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-
-
 class _Layer:
     """One decoder layer's fused weights and modules."""
 
@@ -427,17 +424,16 @@ class FastDecoder:
         weight = model.lm_head.weight
         self.packing_note, kind = "", "mkl"
         if onednn:
-            if not onednn_works(weight.device, weight.dtype):
-                raise ValueError(
-                    f"oneDNN's packed linear does not run here ({weight.device}, {weight.dtype}): it needs a CPU build with oneDNN and fp32 weights"
-                )
+            require_onednn(weight)
             packed_rows, kind = packed_rows or 1, "onednn"
         elif packed_rows is not None and (
             packed_rows < 2 or not mkl_packing_works(weight.device, weight.dtype)
         ):
             packed_rows = None  # one row runs MKL's GEMV, which packs nothing
         if packed_rows is not None and kind == "mkl":
-            shape = (qkv_rows(model), model.config.hidden_size)
+            attn = model.model.layers[0].self_attn
+            qkv = (attn.q_proj, attn.k_proj, attn.v_proj)  # the fused q/k/v weight's shape
+            shape = (sum(p.out_features for p in qkv), attn.q_proj.in_features)
             if not packing_pays(packed_rows, shape):
                 packed_rows, self.packing_note = None, f"MKL packing measured no faster at {shape} here"
         self.packed_rows, self.packing = packed_rows, kind if packed_rows is not None else None
@@ -457,9 +453,12 @@ class FastDecoder:
         """Memory of the packed weight copies (0 when nothing is packed)."""
         return sum(p.nbytes for p in self.packed_projections())
 
+    def row_projections(self) -> list:
+        """Every projection a decode row goes through (experts aside), packed or not."""
+        return [self.lm_head, *(p for layer in self.layers for p in layer.row_projections)]
+
     def packed_projections(self) -> list[PackedLinear]:
-        projections = [self.lm_head, *(p for layer in self.layers for p in layer.row_projections)]
-        return [p for p in projections if isinstance(p, PackedLinear)]
+        return [p for p in self.row_projections() if isinstance(p, PackedLinear)]
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
