@@ -5,6 +5,7 @@ and against the machine's own limit for a decode step (`decode_bound.py`).
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny --engines 2   # also 2 Ray engines
     .venv/bin/python benchmarks/rollout_throughput.py --compile --onednn   # also those engine flags
+    .venv/bin/python benchmarks/rollout_throughput.py --fused              # also --rollout-fused-step
 
 Both sides get the same model weights, the same prompts and temperature-1 sampling, and
 produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the sides
@@ -91,12 +92,14 @@ def miles_engine(
     batch: int,
     compile_decode: bool = False,
     onednn: bool = False,
+    fused: bool = False,
 ):
     """An engine for the workload and its requests; a compiled one has compiled its step (on a
-    first run of the workload, not timed: the time is printed). `onednn`: --rollout-onednn."""
+    first run of the workload, not timed: the time is printed). `onednn`: --rollout-onednn;
+    `fused`: --rollout-fused-step (built before the timing starts)."""
     engine = Engine(
         model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1,
-        compile_decode=compile_decode, onednn_gemm=onednn,
+        compile_decode=compile_decode, onednn_gemm=onednn, fused_step=fused,
     )  # fmt: skip
     requests = [
         Request(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
@@ -166,6 +169,7 @@ def bench(
     compiled=False,
     engines=0,
     onednn=False,
+    fused=False,
 ) -> list:
     with contextlib.redirect_stderr(io.StringIO()):
         model, tokenizer = registry.load(spec)
@@ -192,6 +196,10 @@ def bench(
         if onednn:
             variants["--rollout-onednn"] = miles_engine(
                 model, tokenizer, prompts, lengths, batch, onednn=True
+            )
+        if fused:
+            variants["--rollout-fused-step"] = miles_engine(
+                model, tokenizer, prompts, lengths, batch, fused=True
             )
         if compiled:
             flags = "--rollout-compile" + (" --rollout-onednn" if onednn else "")
@@ -263,6 +271,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
     parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
     parser.add_argument("--onednn", action="store_true", help="also run the engine with --rollout-onednn")
+    parser.add_argument("--fused", action="store_true", help="also run the engine with --rollout-fused-step")
     parser.add_argument(
         "--engines",
         type=int,
@@ -288,11 +297,12 @@ def main() -> None:
             compiled=args.compile,
             onednn=args.onednn,
             engines=args.engines,
+            fused=args.fused,
         )
     if args.only in (None, "smollm2", "smollm2-16"):
         bench(
             "SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth,
-            compiled=args.compile, onednn=args.onednn, engines=args.engines,
+            compiled=args.compile, onednn=args.onednn, engines=args.engines, fused=args.fused,
         )  # fmt: skip
     if args.only in (None, "smollm2", "smollm2-1"):
         bench(
@@ -305,6 +315,7 @@ def main() -> None:
             mixed=False,
             compiled=args.compile,
             onednn=args.onednn,
+            fused=args.fused,
         )
 
 

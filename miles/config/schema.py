@@ -101,6 +101,14 @@ class RolloutSection:
         "transformers end to end); rounding then differs from the trainer's F.linear by fp32 ulps, as "
         "train_rollout_logprob_abs_diff shows",
     )
+    rollout_fused_step: bool = option(
+        False,
+        "CPU, fp32: run each decode step as one C++ call (built on first use with the system's compiler, a few "
+        "seconds, cached): rows split over the threads once, each thread's rows through every layer, experts "
+        "on the rows that chose them. Where a step is many tiny operators (small models, many requests) several "
+        "times faster (docs/performance.md); log-probs then differ from the trainer's by fp32 rounding "
+        "(~1e-6), as train_rollout_logprob_abs_diff shows. Replaces --rollout-compile's step where both are given",
+    )
     over_sampling_batch_size: int | None = option(
         None,
         "prompts to draw per rollout before dynamic-sampling filters (default: rollout_batch_size)",
@@ -128,6 +136,7 @@ class RolloutSection:
             packed_gemm=self.rollout_packed_gemm,
             onednn_gemm=self.rollout_onednn,
             compile_decode=self.rollout_compile,
+            fused_step=self.rollout_fused_step,
         )
 
 

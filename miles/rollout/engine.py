@@ -26,6 +26,7 @@ from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.rollout.compiled_decode import CompiledDecode, compile_unsupported
 from miles.rollout.fast_decode import FastDecoder, PackedPrefill, onednn_works, prefill_packs, unsupported
+from miles.rollout.fused_step import FusedDecode, fused_unsupported
 from miles.rollout.noise import NoiseBank, rows_ahead
 from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
@@ -108,19 +109,21 @@ class Engine:
         packed_gemm: bool = True,
         compile_decode: bool = False,
         onednn_gemm: bool = False,
+        fused_step: bool = False,
     ) -> None:
         self.model = model.eval()
         self.lean_decode = lean_decode  # the one-token step of miles.rollout.fast_decode, where it applies
         self.packed_gemm = packed_gemm  # its full-batch projections on MKL-packed weights (CPU)
         self.compile_decode = compile_decode  # that step compiled whole (miles.rollout.compiled_decode)
         self.onednn_gemm = onednn_gemm  # its projections on oneDNN (compiled: chosen where faster)
+        self.fused_step = fused_step  # the whole step as one C++ call (miles.rollout.fused_step)
         self.speculator = speculator  # speculative decoding (miles/rollout/speculative.py), or None
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.tokenizer = tokenizer
         self.slots = max_batch_size
         context = model.config.max_position_embeddings  # never generate past what the model knows
         self.max_seq_len = min(max_seq_len or context, context)
-        self._fast: FastDecoder | CompiledDecode | None = None
+        self._fast: FastDecoder | CompiledDecode | FusedDecode | None = None
         self._fast_for_model()
         self.cache = model.new_cache(self.slots, self.max_seq_len)
         # sampling noise drawn a few rows ahead per slot (same numbers); speculative decoding
@@ -167,17 +170,26 @@ class Engine:
                 f"--rollout-onednn: oneDNN's packed linear runs on CPU with fp32 weights (and a torch built with "
                 f"oneDNN); the rollout model is on {weight.device} in {weight.dtype}. Drop the flag there"
             )
-        why_not = None
+        why_not = None  # why an asked-for step (fused, compiled) did not run
+        if self.fused_step:
+            reason = fused_unsupported(self.model)
+            if reason is None:
+                self._fast = FusedDecode(self.model)
+                self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
+                self._prefill_on_onednn([])
+                return
+            why_not = f"not fused: {reason}"
         if self.compile_decode:
             plain = FastDecoder(self.model)  # unpacked: the compiled step packs its own
-            why_not = compile_unsupported(plain)
-            if why_not is None:
+            reason = compile_unsupported(plain)
+            if reason is None:
                 self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm)
                 names = sorted({name for _, name in self._fast.packed})
                 projections = f", on oneDNN: {', '.join(names)}" if names else ""
                 self.decode_path = f"lean, compiled (torch.compile){projections}"
                 self._prefill_on_onednn(list(self._fast.packed.values()))
                 return
+            why_not = "; ".join(filter(None, [why_not, f"not compiled: {reason}"]))
         pack = self.packed_gemm or self.onednn_gemm
         self._fast = FastDecoder(self.model, self.slots if pack else None, onednn=self.onednn_gemm)
         packed = self._fast.packed_rows
@@ -188,7 +200,7 @@ class Engine:
         if self._fast.packing_note:
             self.decode_path += f" ({self._fast.packing_note})"
         if why_not is not None:
-            self.decode_path += f"; not compiled: {why_not}"
+            self.decode_path += f"; {why_not}"
         self._prefill_on_onednn(self._fast.packed_projections())
 
     def _prefill_on_onednn(self, shared: list) -> None:

@@ -1,0 +1,263 @@
+"""The whole one-token decode step as one C++ call (`--rollout-fused-step`, off by default).
+
+At the sizes RL rollout runs on a CPU, a decode step of a small model is about a hundred
+operators of a few microseconds each, and each one forks and joins the thread pool
+(docs/performance.md, "Where a decode step goes"). Every row's step is independent of the other
+rows' (its own KV-cache slot, its own experts), so `fused_step.cpp` splits the rows over the
+threads once and runs each thread's rows through the whole model: one parallel region a step.
+Inside it the projections are register-blocked GEMMs on weights stored transposed, and each MoE
+layer runs each chosen expert on the rows that chose it.
+
+The source is compiled on first use with the system's C++ compiler (`-O3 -march=native
+-fopenmp`, a few seconds, no torch headers) into a cache directory (`$MILES_KERNEL_CACHE`, else
+`~/.cache/miles/kernels`), keyed by the source, the compiler and the CPU, and loaded with ctypes.
+
+Rounding: the summation orders differ from ATen's (and the softmax's exponential is a
+polynomial to about 1 ulp), so logits match the general forward's to fp32 rounding, not bitwise
+(tests/test_fused_step.py); `train_rollout_logprob_abs_diff` reports the gap in a run.
+The transposed weights are a second copy of every projection, remade when a parameter's
+version moves (a weight update copies into the parameters in place).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from miles.models.kv_cache import KVCache
+from miles.models.transformer import ModelOutput, MoE, Transformer
+from miles.rollout.fast_decode import rope_tables, unsupported
+
+log = logging.getLogger("miles")
+
+SOURCE = Path(__file__).with_name("fused_step.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "hidden", "heads", "kv_heads", "head_dim", "vocab", "layers", "max_len",
+            "experts", "top_k", "normalize", "inner", "threads",
+        )
+    ] + [("eps", ctypes.c_double)]  # fmt: skip
+
+
+_LAYER_FIELDS = (
+    "in_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
+    "router", "gate_up", "down", "keys", "values",
+)  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS] + [
+        ("inner", ctypes.c_int64),
+        ("shared_gate_up", ctypes.c_void_p),
+        ("shared_down", ctypes.c_void_p),
+        ("shared_gate", ctypes.c_void_p),
+        ("shared_inner", ctypes.c_int64),
+    ]
+
+
+def compiler() -> str | None:
+    """The C++ compiler this step would be built with ($CXX, else g++ or c++ on PATH)."""
+    for candidate in (os.environ.get("CXX"), "g++", "c++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _cpu_key() -> str:
+    """What `-march=native` depends on: the CPU's model and flags, where Linux says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MILES_KERNEL_CACHE", Path.home() / ".cache" / "miles" / "kernels"))
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled step, built on first use and cached on disk."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler on PATH (g++ or c++, or set CXX)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS, _cpu_key()]).encode())
+    target = cache_dir() / f"fused_step-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run(
+                [cxx, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"{cxx} could not build {SOURCE.name}:\n{done.stderr[-2000:]}")
+            os.replace(built, target)  # atomic: engines building at once each load a whole file
+        log.info("rollout engine: built the fused decode step (%s)", target)
+    lib = ctypes.CDLL(str(target))
+    lib.miles_fused_step.restype = None
+    lib.miles_fused_step.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(_Layer), ctypes.c_int64] + [
+        ctypes.c_void_p
+    ] * 9
+    lib.miles_fused_gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
+    lib.miles_fused_exp.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def fused_unsupported(model: Transformer) -> str | None:
+    """Why the fused step cannot run this model here (None: it can)."""
+    reason = unsupported(model)
+    if reason is not None:
+        return reason
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"it runs on CPU in fp32 (the model is on {weight.device} in {weight.dtype})"
+    if compiler() is None:
+        return "no C++ compiler on PATH (g++ or c++, or set CXX)"
+    return None
+
+
+def _t(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Projection weights (out, in), concatenated along out, as one (in, out) tensor."""
+    return torch.cat([w.detach() for w in weights]).t().contiguous()
+
+
+class FusedDecode:
+    """One decode token for rows [0, B) of a KV cache by one call into `fused_step.cpp`; called
+    like `FastDecoder`. `threads`: the rows are split over this many (default: torch's)."""
+
+    def __init__(self, model: Transformer, threads: int | None = None) -> None:
+        reason = fused_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the fused decode step cannot run this model: {reason}")
+        self.lib = library()
+        self.model, cfg = model, model.config
+        self.threads = threads or torch.get_num_threads()
+        self.sources = [p for p in model.parameters()]
+        self._packed_versions: list[int] | None = None
+        self._pointers = [p.data_ptr() for p in self.sources]
+        self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+        self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
+        self.bytes = 0
+
+    def intact(self) -> bool:
+        """Whether every parameter still lives where it did (one replaced rather than copied
+        into is a new tensor: the engine builds the step again)."""
+        return [p.data_ptr() for p in self.sources] == self._pointers
+
+    def _pack(self) -> None:
+        """The transposed weight copies and the per-layer pointer table."""
+        model, cfg = self.model, self.model.config
+        self.keep: list[torch.Tensor] = []  # every tensor a pointer below refers to
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().contiguous()
+            self.keep.append(t)
+            return t.data_ptr()
+
+        layers = model.model.layers
+        self.table = (_Layer * len(layers))()
+        largest = 0
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            q = (a.q_proj, a.k_proj, a.v_proj)
+            fields = dict(
+                in_norm=ptr(layer.input_layernorm.weight),
+                post_norm=ptr(layer.post_attention_layernorm.weight),
+                qkv=ptr(_t([p.weight for p in q])),
+                qkv_bias=ptr(None if a.q_proj.bias is None else torch.cat([p.bias for p in q])),
+                q_norm=ptr(a.q_norm.weight) if a.qk_norm else None,
+                k_norm=ptr(a.k_norm.weight) if a.qk_norm else None,
+                o=ptr(_t([a.o_proj.weight])),
+                o_bias=ptr(a.o_proj.bias),
+            )
+            if isinstance(mlp, MoE):
+                experts = list(mlp.experts)
+                inner = experts[0].gate_proj.out_features
+                fields["router"] = ptr(_t([mlp.gate.weight]))
+                fields["gate_up"] = ptr(
+                    torch.stack([_t([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+                )
+                fields["down"] = ptr(torch.stack([_t([e.down_proj.weight]) for e in experts]))
+                if mlp.shared_expert is not None:
+                    shared = mlp.shared_expert
+                    fields["shared_gate_up"] = ptr(_t([shared.gate_proj.weight, shared.up_proj.weight]))
+                    fields["shared_down"] = ptr(_t([shared.down_proj.weight]))
+                    fields["shared_gate"] = ptr(_t([mlp.shared_expert_gate.weight]))
+                    fields["shared_inner"] = shared.gate_proj.out_features
+                    largest = max(largest, fields["shared_inner"])
+            else:
+                inner = mlp.gate_proj.out_features
+                fields["gate_up"] = ptr(_t([mlp.gate_proj.weight, mlp.up_proj.weight]))
+                fields["down"] = ptr(_t([mlp.down_proj.weight]))
+            fields["inner"], largest = inner, max(largest, inner)
+            for name, value in fields.items():
+                setattr(self.table[i], name, value)
+        self.embed = model.model.embed_tokens.weight.detach()
+        self.final_norm = model.model.norm.weight.detach()
+        self.lm_head = _t([model.lm_head.weight])
+        self.bytes = sum(t.numel() * t.element_size() for t in self.keep) + self.lm_head.numel() * 4
+        self.config = _Config(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            vocab=model.lm_head.weight.shape[0],
+            layers=len(layers),
+            max_len=0,
+            experts=cfg.num_experts if self.moe_layers else 0,
+            top_k=self.top_k,
+            normalize=int(bool(cfg.norm_topk_prob)),
+            inner=largest,
+            threads=self.threads,
+            eps=cfg.rms_norm_eps,
+        )
+        self._packed_versions = [p._version for p in self.sources]
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
+        """ids, positions (B,) long: one token per cache row 0..B-1 -> logits (B, 1, V) and the
+        routing record (B, 1, MoE layers, K), as `Transformer.forward` returns them."""
+        B = ids.shape[0]
+        if int(positions.max()) >= cache.max_len:
+            raise ValueError(
+                f"KV cache holds {cache.max_len} positions; position {int(positions.max())} asked"
+            )
+        if self._packed_versions != [p._version for p in self.sources]:
+            self._pack()
+        for layer, keys, values in zip(self.table, cache.keys, cache.values):
+            layer.keys, layer.values = keys.data_ptr(), values.data_ptr()
+        self.config.max_len = cache.max_len
+        ids, positions = ids.contiguous(), positions.contiguous()
+        cos, ssin = (t.reshape(B, -1).contiguous() for t in rope_tables(positions, self.model.inv_freq))
+        logits = torch.empty(B, self.config.vocab)
+        routed = torch.empty(B, max(self.moe_layers, 1), self.top_k, dtype=torch.long)
+        self.lib.miles_fused_step(
+            ctypes.byref(self.config), self.table, B, ids.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+            ssin.data_ptr(), self.embed.data_ptr(), self.final_norm.data_ptr(), self.lm_head.data_ptr(),
+            logits.data_ptr(), routed.data_ptr(),
+        )  # fmt: skip
+        return ModelOutput(
+            logits=logits[:, None],
+            router_logits=[],
+            routed_experts=routed[:, None] if self.moe_layers else None,
+        )

@@ -1,0 +1,151 @@
+"""The fused C++ decode step (miles/rollout/fused_step.py) against the model's general forward:
+its GEMM and exponential against exact arithmetic, one step's logits, cache writes and experts
+for every architecture, an engine's tokens and log-probs, a weight update, and where it steps
+aside."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles.rollout import Engine, Request, SamplingParams, fused_step
+from miles.rollout.fused_step import FusedDecode, fused_unsupported, library
+from tests.conftest import ARCHS, random_model
+
+pytestmark = pytest.mark.skipif(fused_step.compiler() is None, reason="needs a C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    """One build per test session, outside the user's cache."""
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
+
+
+def gemm_error_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Any fp32 summation order of a dot product of length K is within (K + 1) u sum|a||b|."""
+    return (a.shape[1] + 1) * 2.0**-24 * (a.abs().double() @ b.abs().double())
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 11), inner=st.integers(1, 150), out=st.integers(1, 150), seed=st.integers(0, 99))
+def test_the_steps_gemm_is_a_correct_fp32_product(rows, inner, out, seed):
+    """Every row and column remainder of the register-blocked kernel (rows in 4s, outputs in 64s
+    then 16s then one by one) against the fp64 product, within the rounding bound; the bias added."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b, bias = (
+        torch.randn(rows, inner, generator=gen),
+        torch.randn(inner, out, generator=gen),
+        torch.randn(out),
+    )
+    got, with_bias = torch.empty(rows, out), torch.empty(rows, out)
+    lib = library()
+    lib.miles_fused_gemm(rows, inner, out, a.data_ptr(), b.data_ptr(), None, got.data_ptr())
+    lib.miles_fused_gemm(rows, inner, out, a.data_ptr(), b.data_ptr(), bias.data_ptr(), with_bias.data_ptr())
+    exact = a.double() @ b.double()
+    bound = gemm_error_bound(a, b)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((with_bias.double() - exact - bias.double()).abs() <= bound + 2**-23 * (exact + bias).abs()).all()
+
+
+def test_the_steps_exponential_is_accurate_to_a_few_ulps():
+    """The softmax's and SiLU's e^x, over the whole range they meet, against float64."""
+    x = torch.cat([torch.linspace(-87, 88, 200_001), torch.tensor([0.0, -1e-8, 1e-8, -0.5, 0.5])])
+    y = torch.empty_like(x)
+    library().miles_fused_exp(x.numel(), x.data_ptr(), y.data_ptr())
+    exact = np.exp(x.double().numpy())
+    relative = np.abs(y.double().numpy() - exact) / exact
+    assert relative.max() < 4 * 2.0**-24
+
+
+def filled_cache(model, slots: int, max_len: int, seed: int):
+    cache = model.new_cache(slots, max_len)
+    gen = torch.Generator().manual_seed(seed)
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_step_equals_the_general_forward(arch):
+    """Rows at different positions of a filled cache (so each sees its own prefix): logits within
+    fp32 rounding of the general forward's, the same experts, and the same keys and values
+    written where the forward writes them (and nothing else)."""
+    model = random_model(arch, seed=3)
+    slots, max_len = 7, 24
+    ids = torch.randint(0, model.config.vocab_size, (slots,), generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([0, 5, 23, 11, 2, 17, 9])
+    want_cache, got_cache = filled_cache(model, slots, max_len, 0), filled_cache(model, slots, max_len, 0)
+    with torch.no_grad():
+        want = model(ids[:, None], positions=positions[:, None], cache=want_cache, cache_rows=slice(0, slots))
+    got = FusedDecode(model)(ids, positions, got_cache)
+    assert got.logits.shape == want.logits.shape
+    assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
+        assert torch.allclose(a, b, atol=1e-5)
+    if model.config.is_moe:
+        assert torch.equal(got.routed_experts, want.routed_experts)
+    else:
+        assert got.routed_experts is None
+
+
+def requests(n: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        Request(
+            torch.randint(3, 90, (3 + i % 5,), generator=gen).tolist(),
+            SamplingParams(temperature=0.9, max_new_tokens=6 + i % 4, ignore_eos=True, seed=i),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_an_engine_on_the_fused_step_keeps_tokens_log_probs_and_experts(arch):
+    """--rollout-fused-step through the engine (refills, free slots, rows ending at different
+    lengths, two threads): the tokens and experts of the general forward, log-probs within fp32
+    rounding."""
+    model = random_model(arch, seed=3)
+    fused = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0, fused_step=True)
+    general = Engine(model, max_batch_size=6, max_seq_len=64, seed=0, lean_decode=False)
+    assert fused.decode_path.startswith("fused") and isinstance(fused._fast, FusedDecode)
+    got, want = fused.generate(requests(9)), general.generate(requests(9))
+    for a, b in zip(got, want):
+        assert a.tokens == b.tokens
+        assert max(abs(x - y) for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)) < 1e-5
+        if model.config.is_moe:
+            assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
+
+
+def test_a_weight_update_reaches_the_fused_step():
+    """The transposed copies are remade when a parameter's version moves: after an update the
+    fused engine's greedy tokens are those of a general-forward engine given the same update."""
+    model = random_model("qwen3_moe", seed=5)
+    fused = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0, fused_step=True)
+    general = Engine(model, max_batch_size=4, max_seq_len=64, seed=0, lean_decode=False)
+    greedy = [Request([5 + i, 6, 7], SamplingParams(temperature=0, max_new_tokens=8)) for i in range(4)]
+    before = fused.generate(copy.deepcopy(greedy))
+    gen = torch.Generator().manual_seed(1)
+    update = [
+        (n, p.detach() * (1 + 0.3 * torch.randn(p.shape, generator=gen))) for n, p in model.named_parameters()
+    ]
+    fused.update_weights(update, version=1)
+    general.update_weights(update, version=1)
+    after, want = fused.generate(copy.deepcopy(greedy)), general.generate(copy.deepcopy(greedy))
+    assert [s.tokens for s in after] != [s.tokens for s in before]
+    assert [s.tokens for s in after] == [s.tokens for s in want]
+
+
+def test_the_fused_step_steps_aside_with_a_reason(monkeypatch):
+    """Where it cannot run, the engine says why in its decode path and keeps the lean step."""
+    model = random_model("qwen3", seed=1)
+    monkeypatch.setattr(fused_step, "compiler", lambda: None)
+    assert "C++ compiler" in fused_unsupported(model)
+    engine = Engine(model, max_batch_size=2, max_seq_len=32, fused_step=True)
+    assert engine.decode_path.startswith("lean") and "not fused: no C++ compiler" in engine.decode_path
+    with pytest.raises(ValueError, match="C\\+\\+ compiler"):
+        FusedDecode(model)
