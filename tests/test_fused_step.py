@@ -93,6 +93,35 @@ def test_one_step_equals_the_general_forward(arch):
         assert got.routed_experts is None
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "llama"])
+def test_a_prefill_equals_the_general_forwards(arch):
+    """Right-padded prompts of different lengths into scattered cache slots, several tokens per
+    sequence (each attending causally to its own prefix): the last token's logits, the keys and
+    values of every real position, and the experts of every real token."""
+    model = random_model(arch, seed=2)
+    slots, max_len, T = 6, 16, 9
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([9, 1, 4, 7])
+    ids = torch.randint(0, model.config.vocab_size, (4, T), generator=gen)
+    rows = torch.tensor([5, 0, 3, 2])
+    real = torch.arange(T)[None, :] < lengths[:, None]
+    want_cache, got_cache = filled_cache(model, slots, max_len, 1), filled_cache(model, slots, max_len, 1)
+    with torch.no_grad():
+        want = model(
+            ids, positions=torch.arange(T).expand(4, T), cache=want_cache, cache_rows=rows,
+            logits_at=lengths - 1, token_mask=real,
+        )  # fmt: skip
+    got = FusedDecode(model).prefill(ids, lengths, rows, got_cache)
+    assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
+        for slot, n in zip(rows, lengths):
+            assert torch.allclose(a[slot, :, :n], b[slot, :, :n], atol=1e-5)
+        untouched = [s for s in range(slots) if s not in rows.tolist()]
+        assert torch.equal(a[untouched], b[untouched])
+    if model.config.is_moe:
+        assert torch.equal(got.routed_experts[real], want.routed_experts[real])
+
+
 def requests(n: int) -> list[Request]:
     gen = torch.Generator().manual_seed(0)
     return [

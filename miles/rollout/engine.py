@@ -459,15 +459,10 @@ class Engine:
         last = torch.tensor([len(x) - 1 for x in unique])
         real = positions <= last[:, None]  # right padding takes no MoE capacity
         dev = self.device
-        with torch.no_grad(), self._prefill_mode or nullcontext():
-            out = self.model(
-                ids.to(dev),
-                positions=positions.to(dev),
-                cache=self.cache,
-                cache_rows=rows.to(dev),
-                logits_at=last.to(dev),
-                token_mask=real.to(dev),
-            )
+        if isinstance(self._fast, FusedDecode):  # the prefill through the same C++ forward
+            out = self._fast.prefill(ids, last + 1, rows, self.cache)
+        else:
+            out = self._prefill(ids, positions, rows, last, real)
         index = [unique[seq] for seq in seqs]  # each state's prefill row
         copied = [b for b in range(len(states)) if states[b] is not owners[index[b]]]
         if copied:  # one gather per buffer; positions past a copy's own length are masked later
@@ -480,6 +475,19 @@ class Engine:
             for b, s in enumerate(states):
                 s.routed = [routed[index[b], : len(seqs[b])]]
         return out.logits[torch.tensor(index, device=dev), 0]
+
+    def _prefill(self, ids, positions, rows, last, real):
+        """The general forward over padded prompts into cache `rows` (oneDNN's products where asked)."""
+        dev = self.device
+        with torch.no_grad(), self._prefill_mode or nullcontext():
+            return self.model(
+                ids.to(dev),
+                positions=positions.to(dev),
+                cache=self.cache,
+                cache_rows=rows.to(dev),
+                logits_at=last.to(dev),
+                token_mask=real.to(dev),
+            )
 
     def _decode(self) -> list[Sample]:
         spec = self.speculator

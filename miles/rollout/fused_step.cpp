@@ -111,24 +111,38 @@ void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const
       for (int64_t m = 0; m < N; m++) C[i * N + m] += bias[m];
 }
 
-// e^x for x <= 0 or moderate x, to about 1 ulp (Cephes' expf), written so loops vectorize
-#pragma omp declare simd
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// e^x to about 1 ulp (Cephes' expf polynomial) over x in [-87.3, 88.7] (clamped), 16 at a time.
+// n = round(x / ln 2) by the 1.5 * 2^23 trick, so the integer n is in the sum's low bits.
+inline vf exp_vec(vf x) {
+  const vf lo = vf{} - 87.3f, hi = vf{} + 88.7f, magic = vf{} + 12582912.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf t = x * 1.44269504088896341f + magic, n = t - magic;
+  vf r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  const vi bits = (((vi)t - (vi)magic) + 127) << 23;  // vector casts reinterpret the bits
+  return p * (vf)bits;
+}
+
+// y[i] = e^(x[i] - shift), in vectors, the tail through a padded one
+inline void exp_shifted(int64_t n, const float *x, float shift, float *y) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store(y + i, exp_vec(load(x + i) - shift));
+  if (i < n) {
+    float in[W] = {}, out[W];
+    std::memcpy(in, x + i, (n - i) * sizeof(float));
+    store(out, exp_vec(load(in) - shift));
+    std::memcpy(y + i, out, (n - i) * sizeof(float));
+  }
 }
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)), the model's RMSNorm order
@@ -146,35 +160,80 @@ inline void rope(int64_t heads, int64_t D, float *x, const float *cos, const flo
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; h++) {
     float *v = x + h * D;
-    for (int64_t d = 0; d < D; d++) tmp[d] = v[d] * cos[d] + v[(d + half) % D] * ssin[d];
+#pragma omp simd
+    for (int64_t d = 0; d < half; d++) tmp[d] = v[d] * cos[d] + v[d + half] * ssin[d];
+#pragma omp simd
+    for (int64_t d = half; d < D; d++) tmp[d] = v[d] * cos[d] + v[d - half] * ssin[d];
     std::memcpy(v, tmp, D * sizeof(float));
   }
 }
 
-// one query head over positions [0, length) of one KV head: out (D)
-inline void attend(int64_t D, int64_t length, const float *q, const float *K, const float *V,
-                   float scale, float *scores, float *out) {
-  float top = -INFINITY;
-  for (int64_t t = 0; t < length; t++) {
-    const float *k = K + t * D;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
-    scores[t] = s * scale;
-    top = std::max(top, scores[t]);
-  }
-  float total = 0.f;
+inline float hsum(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// the G query heads q (G, D) that share one KV head, over its positions [0, length): out (G, D).
+// The model's order: scores scaled, softmax (exp(s - max) / sum), then the weighted sum of V.
+// DV = D / 16 vectors per head row (0: any D, scalar loops).
+template <int DV>
+void attend(int64_t G, int64_t D, int64_t length, const float *q, const float *K, const float *V, float scale,
+            float *scores, float *out) {
+  for (int64_t g = 0; g < G; g++) {
+    float *s = scores + g * length;
+    const float *qg = q + g * D;
+    if constexpr (DV > 0) {
+      vf qv[DV];
+      for (int j = 0; j < DV; j++) qv[j] = load(qg + j * W);
+      for (int64_t t = 0; t < length; t++) {
+        vf acc = qv[0] * load(K + t * D);
+        for (int j = 1; j < DV; j++) acc += qv[j] * load(K + t * D + j * W);
+        s[t] = hsum(acc) * scale;
+      }
+    } else {
+      for (int64_t t = 0; t < length; t++) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; d++) acc += qg[d] * K[t * D + d];
+        s[t] = acc * scale;
+      }
+    }
+    float top = s[0];
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < length; t++) top = std::max(top, s[t]);
+    exp_shifted(length, s, top, s);
+    float total = 0.f;
 #pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < length; t++) {
-    scores[t] = exp_approx(scores[t] - top);
-    total += scores[t];
-  }
-  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-  for (int64_t t = 0; t < length; t++) {
-    const float p = scores[t] / total;
-    const float *v = V + t * D;
+    for (int64_t t = 0; t < length; t++) total += s[t];
 #pragma omp simd
-    for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
+    for (int64_t t = 0; t < length; t++) s[t] /= total;
+    float *o = out + g * D;
+    if constexpr (DV > 0) {
+      vf acc[DV] = {};
+      for (int64_t t = 0; t < length; t++)
+        for (int j = 0; j < DV; j++) acc[j] += s[t] * load(V + t * D + j * W);
+      for (int j = 0; j < DV; j++) store(o + j * W, acc[j]);
+    } else {
+      std::fill(o, o + D, 0.f);
+      for (int64_t t = 0; t < length; t++)
+        for (int64_t d = 0; d < D; d++) o[d] += s[t] * V[t * D + d];
+    }
+  }
+}
+
+using Attend = void (*)(int64_t, int64_t, int64_t, const float *, const float *, const float *, float, float *,
+                        float *);
+
+Attend attend_for(int64_t D) {
+  switch (D) {
+    case 16: return attend<1>;
+    case 32: return attend<2>;
+    case 64: return attend<4>;
+    case 128: return attend<8>;
+    default: return attend<0>;
   }
 }
 
@@ -182,43 +241,58 @@ inline void swiglu(int64_t rows, int64_t inner, const float *gu, float *act) {
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gu + r * 2 * inner, *u = g + inner;
     float *a = act + r * inner;
-#pragma omp simd
-    for (int64_t i = 0; i < inner; i++) a[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    int64_t i = 0;
+    for (; i + W <= inner; i += W) {
+      const vf gv = load(g + i);
+      store(a + i, gv / (1.0f + exp_vec(-gv)) * load(u + i));
+    }
+    for (; i < inner; i++) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
 }
 
-struct Rows {
+// A thread's share of the batch: sequences [s0, s1), their tokens [r0, r0 + R) of the flattened batch.
+struct Tokens {
   const FusedConfig &c;
-  int64_t r0, R;  // this thread's rows [r0, r0 + R)
+  const int64_t *starts, *slots;  // sequence s holds tokens [starts[s], starts[s + 1]) and cache slot slots[s]
+  int64_t s0, s1, r0, R;
   std::vector<float> h, x, qkv, attn, proj, gu, act, gathered, scores, tmp, moe;
 
-  Rows(const FusedConfig &cfg, int64_t first, int64_t count) : c(cfg), r0(first), R(count) {
+  Tokens(const FusedConfig &cfg, const int64_t *starts_, const int64_t *slots_, int64_t first, int64_t last)
+      : c(cfg), starts(starts_), slots(slots_), s0(first), s1(last), r0(starts_[first]),
+        R(starts_[last] - starts_[first]) {
     const int64_t hid = c.hidden, qkv_n = (c.heads + 2 * c.kv_heads) * c.head_dim;
     h.resize(R * hid), x.resize(R * hid), proj.resize(R * hid), moe.resize(R * hid);
     qkv.resize(R * qkv_n), attn.resize(R * c.heads * c.head_dim);
     gu.resize(R * 2 * c.inner), act.resize(R * c.inner), gathered.resize(R * hid);
-    scores.resize(c.max_len), tmp.resize(c.head_dim);
+    scores.resize(c.max_len * c.heads / c.kv_heads), tmp.resize(c.head_dim);
   }
 
+  // each token's keys and values written at its position of its sequence's slot, then each
+  // token attends to positions [0, its own]: causal within a sequence of several tokens
   void attention(const FusedLayer &L, const int64_t *positions, const float *cos, const float *ssin) {
     const int64_t H = c.heads, KV = c.kv_heads, D = c.head_dim, G = H / KV, n = (H + 2 * KV) * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    for (int64_t i = 0; i < R; i++) {
-      const int64_t row = r0 + i, pos = positions[row];
-      float *q = qkv.data() + i * n, *k = q + H * D, *v = k + KV * D;
-      if (L.q_norm) {
-        for (int64_t hd = 0; hd < H; hd++) rms_norm(D, q + hd * D, L.q_norm, c.eps, q + hd * D);
-        for (int64_t hd = 0; hd < KV; hd++) rms_norm(D, k + hd * D, L.k_norm, c.eps, k + hd * D);
+    const Attend attend_d = attend_for(D);
+    for (int64_t s = s0; s < s1; s++) {
+      for (int64_t row = starts[s]; row < starts[s + 1]; row++) {
+        float *q = qkv.data() + (row - r0) * n, *k = q + H * D, *v = k + KV * D;
+        if (L.q_norm) {
+          for (int64_t hd = 0; hd < H; hd++) rms_norm(D, q + hd * D, L.q_norm, c.eps, q + hd * D);
+          for (int64_t hd = 0; hd < KV; hd++) rms_norm(D, k + hd * D, L.k_norm, c.eps, k + hd * D);
+        }
+        rope(H + KV, D, q, cos + row * D, ssin + row * D, tmp.data());
+        for (int64_t j = 0; j < KV; j++) {
+          const int64_t at = ((slots[s] * KV + j) * c.max_len + positions[row]) * D;
+          std::memcpy(L.keys + at, k + j * D, D * sizeof(float));
+          std::memcpy(L.values + at, v + j * D, D * sizeof(float));
+        }
       }
-      rope(H + KV, D, q, cos + row * D, ssin + row * D, tmp.data());
-      for (int64_t j = 0; j < KV; j++) {
-        const int64_t base = ((row * KV + j) * c.max_len) * D;
-        std::memcpy(L.keys + base + pos * D, k + j * D, D * sizeof(float));
-        std::memcpy(L.values + base + pos * D, v + j * D, D * sizeof(float));
-        for (int64_t g = 0; g < G; g++) {
-          const int64_t hd = j * G + g;
-          attend(D, pos + 1, q + hd * D, L.keys + base, L.values + base, scale, scores.data(),
-                 attn.data() + i * H * D + hd * D);
+      for (int64_t row = starts[s]; row < starts[s + 1]; row++) {
+        const float *q = qkv.data() + (row - r0) * n;
+        for (int64_t j = 0; j < KV; j++) {
+          const int64_t base = (slots[s] * KV + j) * c.max_len * D;
+          attend_d(G, D, positions[row] + 1, q + j * G * D, L.keys + base, L.values + base, scale, scores.data(),
+                   attn.data() + (row - r0) * H * D + j * G * D);
         }
       }
     }
@@ -317,8 +391,9 @@ struct Rows {
         for (int64_t m = 0; m < R * hid; m++) h[m] += proj[m];
       }
     }
-    for (int64_t i = 0; i < R; i++) rms_norm(hid, h.data() + i * hid, final_norm, c.eps, x.data() + i * hid);
-    gemm(R, hid, c.vocab, x.data(), lm_head, nullptr, logits + r0 * c.vocab);
+    for (int64_t s = s0; s < s1; s++)  // logits of each sequence's last token only
+      rms_norm(hid, h.data() + (starts[s + 1] - 1 - r0) * hid, final_norm, c.eps, x.data() + (s - s0) * hid);
+    gemm(s1 - s0, hid, c.vocab, x.data(), lm_head, nullptr, logits + s0 * c.vocab);
   }
 };
 
@@ -326,19 +401,25 @@ struct Rows {
 
 extern "C" {
 
-// One token for rows [0, B): ids, positions (B); cos, signed sin (B, D); logits (B, vocab) out;
-// routed (B, MoE layers, top_k) out (unused for a dense model).
-void miles_fused_step(const FusedConfig *cfg, const FusedLayer *layers, int64_t B, const int64_t *ids,
-                      const int64_t *positions, const float *cos, const float *ssin, const float *embed,
-                      const float *final_norm, const float *lm_head, float *logits, int64_t *routed) {
-  const int64_t threads = std::max<int64_t>(1, std::min(cfg->threads, B));
+// Sequences [0, S), sequence s holding tokens [starts[s], starts[s + 1]) of the flattened batch at
+// cache slot slots[s]; per token: ids, positions, cos and signed sin (D). A decode step is S
+// sequences of one token; a prefill, each prompt's tokens. Out: logits (S, vocab) of each
+// sequence's last token, routed (tokens, MoE layers, top_k) (unused for a dense model). The
+// threads take consecutive sequences holding about equal numbers of tokens.
+void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64_t S, const int64_t *starts,
+                         const int64_t *slots, const int64_t *ids, const int64_t *positions, const float *cos,
+                         const float *ssin, const float *embed, const float *final_norm, const float *lm_head,
+                         float *logits, int64_t *routed) {
+  const int64_t threads = std::max<int64_t>(1, std::min(cfg->threads, S)), total = starts[S];
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t first = B * t / T, last = B * (t + 1) / T;
+    // the first sequence starting at or past token total * t / T, for t and t + 1
+    const int64_t first = t == 0 ? 0 : std::lower_bound(starts, starts + S, total * t / T) - starts;
+    const int64_t last = t + 1 == T ? S : std::lower_bound(starts, starts + S, total * (t + 1) / T) - starts;
     if (last > first) {
-      Rows rows(*cfg, first, last - first);
-      rows.run(layers, ids, positions, cos, ssin, embed, final_norm, lm_head, logits, routed);
+      Tokens part(*cfg, starts, slots, first, last);
+      part.run(layers, ids, positions, cos, ssin, embed, final_norm, lm_head, logits, routed);
     }
   }
 }
@@ -353,9 +434,6 @@ void miles_fused_gemm(int64_t R, int64_t K, int64_t N, const float *A, const flo
   gemm(R, K, N, A, B, bias, C);
 }
 
-void miles_fused_exp(int64_t n, const float *x, float *y) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; i++) y[i] = exp_approx(x[i]);
-}
+void miles_fused_exp(int64_t n, const float *x, float *y) { exp_shifted(n, x, 0.f, y); }
 
 }  // extern "C"

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer
@@ -112,10 +113,10 @@ def library() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: engines building at once each load a whole file
         log.info("rollout engine: built the fused decode step (%s)", target)
     lib = ctypes.CDLL(str(target))
-    lib.miles_fused_step.restype = None
-    lib.miles_fused_step.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(_Layer), ctypes.c_int64] + [
+    lib.miles_fused_forward.restype = None
+    lib.miles_fused_forward.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(_Layer), ctypes.c_int64] + [
         ctypes.c_void_p
-    ] * 9
+    ] * 11
     lib.miles_fused_gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
     lib.miles_fused_exp.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return lib
@@ -238,6 +239,41 @@ class FusedDecode:
         """ids, positions (B,) long: one token per cache row 0..B-1 -> logits (B, 1, V) and the
         routing record (B, 1, MoE layers, K), as `Transformer.forward` returns them."""
         B = ids.shape[0]
+        slots = torch.arange(B)
+        logits, routed = self.forward(ids, positions, torch.arange(B + 1), slots, cache)
+        return ModelOutput(
+            logits=logits[:, None],
+            router_logits=[],
+            routed_experts=None if routed is None else routed[:, None],
+        )
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache):
+        """Sequences ids (U, T), right-padded to T, of `lengths` tokens from position 0, into
+        cache `slots` (U,) -> logits (U, 1, V) of each one's last token and the routing record
+        (U, T, MoE layers, K) (padding positions: zeros), as the general forward's prefill gives."""
+        U, T = ids.shape
+        real = torch.arange(T)[None, :] < lengths[:, None]
+        starts = F.pad(lengths.cumsum(0), (1, 0))
+        positions = torch.arange(T).expand(U, T)[real]
+        logits, routed = self.forward(ids[real], positions, starts, slots, cache)
+        record = None
+        if routed is not None:
+            record = routed.new_zeros(U, T, *routed.shape[1:])
+            record[real] = routed
+        return ModelOutput(logits=logits[:, None], router_logits=[], routed_experts=record)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        starts: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequences [0, S), sequence s the tokens [starts[s], starts[s + 1]) of the flat ids and
+        positions (N,), written into cache slot slots[s] -> the logits (S, V) of each one's last
+        token and the routing (N, MoE layers, K) (None for a dense model)."""
         if int(positions.max()) >= cache.max_len:
             raise ValueError(
                 f"KV cache holds {cache.max_len} positions; position {int(positions.max())} asked"
@@ -247,17 +283,16 @@ class FusedDecode:
         for layer, keys, values in zip(self.table, cache.keys, cache.values):
             layer.keys, layer.values = keys.data_ptr(), values.data_ptr()
         self.config.max_len = cache.max_len
-        ids, positions = ids.contiguous(), positions.contiguous()
-        cos, ssin = (t.reshape(B, -1).contiguous() for t in rope_tables(positions, self.model.inv_freq))
-        logits = torch.empty(B, self.config.vocab)
-        routed = torch.empty(B, max(self.moe_layers, 1), self.top_k, dtype=torch.long)
-        self.lib.miles_fused_step(
-            ctypes.byref(self.config), self.table, B, ids.data_ptr(), positions.data_ptr(), cos.data_ptr(),
-            ssin.data_ptr(), self.embed.data_ptr(), self.final_norm.data_ptr(), self.lm_head.data_ptr(),
-            logits.data_ptr(), routed.data_ptr(),
-        )  # fmt: skip
-        return ModelOutput(
-            logits=logits[:, None],
-            router_logits=[],
-            routed_experts=routed[:, None] if self.moe_layers else None,
+        S, N = slots.shape[0], ids.shape[0]
+        ids, positions, starts, slots = (
+            t.to(torch.long).contiguous() for t in (ids, positions, starts, slots)
         )
+        cos, ssin = (t.reshape(N, -1).contiguous() for t in rope_tables(positions, self.model.inv_freq))
+        logits = torch.empty(S, self.config.vocab)
+        routed = torch.empty(N, max(self.moe_layers, 1), self.top_k, dtype=torch.long)
+        self.lib.miles_fused_forward(
+            ctypes.byref(self.config), self.table, S, starts.data_ptr(), slots.data_ptr(), ids.data_ptr(),
+            positions.data_ptr(), cos.data_ptr(), ssin.data_ptr(), self.embed.data_ptr(),
+            self.final_norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(), routed.data_ptr(),
+        )  # fmt: skip
+        return logits, routed if self.moe_layers else None
