@@ -6,8 +6,10 @@
 - GEMM bound: the step's matrix multiplies alone (q/k/v and gate/up fused, experts on a balanced
   share of the rows), run back to back over the model's own weights, so cache misses count; the
   fastest of plain `F.linear`, MKL's packed GEMM, oneDNN's linear on packed weights (weights
-  packed beforehand, not timed) and, at a few rows, the compiled step's multiply-and-sum form
-  (compiled beforehand, not timed).
+  packed beforehand, not timed), at a few rows the compiled step's multiply-and-sum form
+  (compiled beforehand, not timed) and the fused step's own register-blocked GEMM (all of the
+  step's products in one C++ call, each one's rows split over the threads as the step splits
+  them: the step's products with no per-call cost at all).
 
 The tighter bound is the larger of the two times. Used by rollout_throughput.py and
 decode_profile.py.
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
 from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
+from miles.rollout import fused_step
 from miles.rollout.fast_decode import mkl_packing_works, onednn_works, pack_mkl, pack_onednn
 
 
@@ -98,10 +101,27 @@ def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torc
     return out
 
 
+def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]]):
+    """All of `work`'s products by one call into the fused step's GEMM (weights transposed
+    beforehand, as the step keeps them)."""
+    lib = fused_step.library()
+    a = [x.contiguous() for x, _ in work]
+    b = [w.detach().t().contiguous() for _, w in work]
+    c = [torch.empty(x.shape[0], w.shape[0]) for x, w in work]
+    shapes = [
+        torch.tensor(v, dtype=torch.long)
+        for v in zip(*[(x.shape[0], x.shape[1], w.shape[0]) for x, w in work])
+    ]
+    pointers = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.long) for ts in (a, b, c)]
+    args = [len(work), *(t.data_ptr() for t in shapes + pointers), torch.get_num_threads()]
+    keep = (a, b, c, shapes, pointers)
+    return lambda: lib.miles_fused_gemm_list(*args) or keep
+
+
 def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
     """Median time of one decode step's GEMMs alone, back to back: plain F.linear, MKL-packed,
-    oneDNN-packed or (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form, the
-    fastest."""
+    oneDNN-packed, (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form or the
+    fused step's GEMM, the fastest."""
     work = _step_gemms(model, batch)
     runs = {"plain": [lambda x=x, w=w: F.linear(x, w) for x, w in work]}
     cpu = torch.device("cpu"), torch.float32
@@ -111,6 +131,8 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
         if works:
             calls = [pack(w.detach(), x.shape[0])[0] for x, w in work]
             runs[name] = [lambda x=x, call=call: call(x) for (x, _), call in zip(work, calls)]
+    if fused_step.compiler() is not None:
+        runs["fused step's GEMM"] = [_fused_gemms(work)]
     if batch <= GEMV_ROWS and has_cpp_compiler():
         # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
         # faster than MKL's GEMV on some CPUs, so the bound has to count it

@@ -250,26 +250,41 @@ inline void swiglu(int64_t rows, int64_t inner, const float *gu, float *act) {
   }
 }
 
+// A thread's working buffers, kept between calls (a prefill's are megabytes: allocating and
+// zeroing them again each call cost a tenth of it); they only grow.
+struct Scratch {
+  std::vector<float> h, x, qkv, attn, proj, gu, act, gathered, scores, tmp, moe, cos, ssin;
+  std::vector<float> router, weight, scale, gate;
+  std::vector<int64_t> chosen, rows;
+};
+
+template <typename T>
+inline std::vector<T> &grown(std::vector<T> &v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v;
+}
+
 // A thread's share of the batch: sequences [s0, s1), their tokens [r0, r0 + R) of the flattened batch.
 struct Tokens {
   const FusedConfig &c;
   const int64_t *starts, *slots;  // sequence s holds tokens [starts[s], starts[s + 1]) and cache slot slots[s]
   int64_t s0, s1, r0, R;
-  std::vector<float> h, x, qkv, attn, proj, gu, act, gathered, scores, tmp, moe;
+  Scratch &b;
+  std::vector<float> &h, &x, &qkv, &attn, &proj, &gu, &act, &gathered, &scores, &tmp, &moe, &cos, &ssin;
 
-  Tokens(const FusedConfig &cfg, const int64_t *starts_, const int64_t *slots_, int64_t first, int64_t last)
+  Tokens(const FusedConfig &cfg, const int64_t *starts_, const int64_t *slots_, int64_t first, int64_t last,
+         Scratch &scratch)
       : c(cfg), starts(starts_), slots(slots_), s0(first), s1(last), r0(starts_[first]),
-        R(starts_[last] - starts_[first]) {
-    const int64_t hid = c.hidden, qkv_n = (c.heads + 2 * c.kv_heads) * c.head_dim;
-    h.resize(R * hid), x.resize(R * hid), proj.resize(R * hid), moe.resize(R * hid);
-    qkv.resize(R * qkv_n), attn.resize(R * c.heads * c.head_dim);
-    gu.resize(R * 2 * c.inner), act.resize(R * c.inner), gathered.resize(R * hid);
-    scores.resize(c.max_len * c.heads / c.kv_heads), tmp.resize(c.head_dim);
-  }
+        R(starts_[last] - starts_[first]), b(scratch), h(grown(b.h, R * c.hidden)), x(grown(b.x, R * c.hidden)),
+        qkv(grown(b.qkv, R * (c.heads + 2 * c.kv_heads) * c.head_dim)),
+        attn(grown(b.attn, R * c.heads * c.head_dim)), proj(grown(b.proj, R * c.hidden)),
+        gu(grown(b.gu, R * 2 * c.inner)), act(grown(b.act, R * c.inner)), gathered(grown(b.gathered, R * c.hidden)),
+        scores(grown(b.scores, c.max_len * c.heads / c.kv_heads)), tmp(grown(b.tmp, c.head_dim)),
+        moe(grown(b.moe, R * c.hidden)), cos(grown(b.cos, R * c.head_dim)), ssin(grown(b.ssin, R * c.head_dim)) {}
 
   // each token's keys and values written at its position of its sequence's slot, then each
   // token attends to positions [0, its own]: causal within a sequence of several tokens
-  void attention(const FusedLayer &L, const int64_t *positions, const float *cos, const float *ssin) {
+  void attention(const FusedLayer &L, const int64_t *positions) {
     const int64_t H = c.heads, KV = c.kv_heads, D = c.head_dim, G = H / KV, n = (H + 2 * KV) * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const Attend attend_d = attend_for(D);
@@ -280,7 +295,7 @@ struct Tokens {
           for (int64_t hd = 0; hd < H; hd++) rms_norm(D, q + hd * D, L.q_norm, c.eps, q + hd * D);
           for (int64_t hd = 0; hd < KV; hd++) rms_norm(D, k + hd * D, L.k_norm, c.eps, k + hd * D);
         }
-        rope(H + KV, D, q, cos + row * D, ssin + row * D, tmp.data());
+        rope(H + KV, D, q, cos.data() + (row - r0) * D, ssin.data() + (row - r0) * D, tmp.data());
         for (int64_t j = 0; j < KV; j++) {
           const int64_t at = ((slots[s] * KV + j) * c.max_len + positions[row]) * D;
           std::memcpy(L.keys + at, k + j * D, D * sizeof(float));
@@ -301,11 +316,11 @@ struct Tokens {
   // the routed experts of each row, summed with their weights into moe; chosen recorded
   void experts(const FusedLayer &L, int64_t *chosen_out, int64_t stride) {
     const int64_t E = c.experts, K = c.top_k, hid = c.hidden, I = L.inner;
-    std::vector<float> logits(R * E), weight(R * K);
-    std::vector<int64_t> chosen(R * K);
-    gemm(R, hid, E, x.data(), L.router, nullptr, logits.data());
+    float *logits = grown(b.router, R * E).data(), *weight = grown(b.weight, R * K).data();
+    int64_t *chosen = grown(b.chosen, R * K).data();
+    gemm(R, hid, E, x.data(), L.router, nullptr, logits);
     for (int64_t i = 0; i < R; i++) {
-      float *l = logits.data() + i * E;
+      float *l = logits + i * E;
       const float top = *std::max_element(l, l + E);
       float total = 0.f;
       for (int64_t e = 0; e < E; e++) total += (l[e] = std::exp(l[e] - top));
@@ -325,9 +340,9 @@ struct Tokens {
         chosen_out[(r0 + i) * stride + k] = chosen[i * K + k];
       }
     }
-    std::fill(moe.begin(), moe.end(), 0.f);
-    std::vector<int64_t> rows;
-    std::vector<float> scale;
+    std::fill(moe.begin(), moe.begin() + R * hid, 0.f);
+    std::vector<int64_t> &rows = b.rows;
+    std::vector<float> &scale = b.scale;
     for (int64_t e = 0; e < E; e++) {
       rows.clear(), scale.clear();
       for (int64_t i = 0; i < R; i++)
@@ -352,21 +367,34 @@ struct Tokens {
   // moe += sigmoid(x . gate) * SwiGLU MLP(x), the shared expert every row goes through
   void shared_expert(const FusedLayer &L) {
     const int64_t hid = c.hidden, I = L.shared_inner;
-    std::vector<float> gate(R);
+    float *gate = grown(b.gate, R).data();
     gemm(R, hid, 2 * I, x.data(), L.shared_gate_up, nullptr, gu.data());
     swiglu(R, I, gu.data(), act.data());
     gemm(R, I, hid, act.data(), L.shared_down, nullptr, proj.data());
-    gemm(R, hid, 1, x.data(), L.shared_gate, nullptr, gate.data());
+    gemm(R, hid, 1, x.data(), L.shared_gate, nullptr, gate);
     for (int64_t i = 0; i < R; i++) {
       const float g = 1.0f / (1.0f + std::exp(-gate[i]));
       for (int64_t m = 0; m < hid; m++) moe[i * hid + m] += g * proj[i * hid + m];
     }
   }
 
-  void run(const FusedLayer *layers, const int64_t *ids, const int64_t *positions, const float *cos,
-           const float *ssin, const float *embed, const float *final_norm, const float *lm_head,
-           float *logits, int64_t *routed) {
+  // each token's rotary cos and rotate-half-signed sin, as the model computes them:
+  // cos(float(position) * inv_freq), the D/2 frequencies repeated
+  void rotary(const int64_t *positions, const float *inv_freq) {
+    const int64_t D = c.head_dim, half = D / 2;
+    for (int64_t i = 0; i < R; i++)
+      for (int64_t d = 0; d < half; d++) {
+        const float angle = static_cast<float>(positions[r0 + i]) * inv_freq[d];
+        const float cv = std::cos(angle), sv = std::sin(angle);
+        cos[i * D + d] = cos[i * D + d + half] = cv;
+        ssin[i * D + d] = -sv, ssin[i * D + d + half] = sv;
+      }
+  }
+
+  void run(const FusedLayer *layers, const int64_t *ids, const int64_t *positions, const float *inv_freq,
+           const float *embed, const float *final_norm, const float *lm_head, float *logits, int64_t *routed) {
     const int64_t hid = c.hidden, n = (c.heads + 2 * c.kv_heads) * c.head_dim;
+    rotary(positions, inv_freq);
     for (int64_t i = 0; i < R; i++)
       std::memcpy(h.data() + i * hid, embed + ids[r0 + i] * hid, hid * sizeof(float));
     int64_t moe_index = 0, moe_layers = 0;
@@ -375,7 +403,7 @@ struct Tokens {
       const FusedLayer &L = layers[l];
       for (int64_t i = 0; i < R; i++) rms_norm(hid, h.data() + i * hid, L.in_norm, c.eps, x.data() + i * hid);
       gemm(R, hid, n, x.data(), L.qkv, L.qkv_bias, qkv.data());
-      attention(L, positions, cos, ssin);
+      attention(L, positions);
       gemm(R, c.heads * c.head_dim, hid, attn.data(), L.o, L.o_bias, proj.data());
       for (int64_t m = 0; m < R * hid; m++) h[m] += proj[m];
       for (int64_t i = 0; i < R; i++) rms_norm(hid, h.data() + i * hid, L.post_norm, c.eps, x.data() + i * hid);
@@ -402,13 +430,13 @@ struct Tokens {
 extern "C" {
 
 // Sequences [0, S), sequence s holding tokens [starts[s], starts[s + 1]) of the flattened batch at
-// cache slot slots[s]; per token: ids, positions, cos and signed sin (D). A decode step is S
+// cache slot slots[s]; per token: ids and positions; inv_freq: RoPE's D/2 frequencies. A decode step is S
 // sequences of one token; a prefill, each prompt's tokens. Out: logits (S, vocab) of each
 // sequence's last token, routed (tokens, MoE layers, top_k) (unused for a dense model). The
 // threads take consecutive sequences holding about equal numbers of tokens.
 void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64_t S, const int64_t *starts,
-                         const int64_t *slots, const int64_t *ids, const int64_t *positions, const float *cos,
-                         const float *ssin, const float *embed, const float *final_norm, const float *lm_head,
+                         const int64_t *slots, const int64_t *ids, const int64_t *positions, const float *inv_freq,
+                         const float *embed, const float *final_norm, const float *lm_head,
                          float *logits, int64_t *routed) {
   const int64_t threads = std::max<int64_t>(1, std::min(cfg->threads, S)), total = starts[S];
 #pragma omp parallel num_threads(threads)
@@ -418,16 +446,33 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
     const int64_t first = t == 0 ? 0 : std::lower_bound(starts, starts + S, total * t / T) - starts;
     const int64_t last = t + 1 == T ? S : std::lower_bound(starts, starts + S, total * (t + 1) / T) - starts;
     if (last > first) {
-      Tokens part(*cfg, starts, slots, first, last);
-      part.run(layers, ids, positions, cos, ssin, embed, final_norm, lm_head, logits, routed);
+      static thread_local Scratch scratch;
+      Tokens part(*cfg, starts, slots, first, last, scratch);
+      part.run(layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed);
     }
   }
 }
 
 }  // extern "C"
 
-// The step's building blocks, for tests: C = A @ B (+ bias), and the exponential.
+// The step's building blocks, for tests and benchmarks/decode_bound.py: C = A @ B (+ bias); a
+// list of such products back to back, each one's rows split over the threads as the step splits
+// its rows (the step's GEMMs alone); and the exponential.
 extern "C" {
+
+void miles_fused_gemm_list(int64_t count, const int64_t *R, const int64_t *K, const int64_t *N,
+                           const int64_t *A, const int64_t *B, const int64_t *C, int64_t threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    for (int64_t i = 0; i < count; i++) {
+      const int64_t first = R[i] * t / T, rows = R[i] * (t + 1) / T - first;
+      if (rows > 0)
+        gemm(rows, K[i], N[i], reinterpret_cast<const float *>(A[i]) + first * K[i],
+             reinterpret_cast<const float *>(B[i]), nullptr, reinterpret_cast<float *>(C[i]) + first * N[i]);
+    }
+  }
+}
 
 void miles_fused_gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias,
                       float *C) {

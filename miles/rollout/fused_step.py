@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer
-from miles.rollout.fast_decode import rope_tables, unsupported
+from miles.rollout.fast_decode import unsupported
 
 log = logging.getLogger("miles")
 
@@ -116,8 +116,9 @@ def library() -> ctypes.CDLL:
     lib.miles_fused_forward.restype = None
     lib.miles_fused_forward.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(_Layer), ctypes.c_int64] + [
         ctypes.c_void_p
-    ] * 11
+    ] * 10
     lib.miles_fused_gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
+    lib.miles_fused_gemm_list.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
     lib.miles_fused_exp.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
@@ -157,6 +158,7 @@ class FusedDecode:
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
         self.bytes = 0
+        self._one_each: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def intact(self) -> bool:
         """Whether every parameter still lives where it did (one replaced rather than copied
@@ -215,6 +217,7 @@ class FusedDecode:
                 setattr(self.table[i], name, value)
         self.embed = model.model.embed_tokens.weight.detach()
         self.final_norm = model.model.norm.weight.detach()
+        self.inv_freq = model.inv_freq.detach().float().contiguous()
         self.lm_head = _t([model.lm_head.weight])
         self.bytes = sum(t.numel() * t.element_size() for t in self.keep) + self.lm_head.numel() * 4
         self.config = _Config(
@@ -239,8 +242,9 @@ class FusedDecode:
         """ids, positions (B,) long: one token per cache row 0..B-1 -> logits (B, 1, V) and the
         routing record (B, 1, MoE layers, K), as `Transformer.forward` returns them."""
         B = ids.shape[0]
-        slots = torch.arange(B)
-        logits, routed = self.forward(ids, positions, torch.arange(B + 1), slots, cache)
+        if self._one_each is None or self._one_each[1].shape[0] != B:
+            self._one_each = torch.arange(B + 1), torch.arange(B)  # starts and slots: row b, slot b
+        logits, routed = self.forward(ids, positions, *self._one_each, cache)
         return ModelOutput(
             logits=logits[:, None],
             router_logits=[],
@@ -287,12 +291,11 @@ class FusedDecode:
         ids, positions, starts, slots = (
             t.to(torch.long).contiguous() for t in (ids, positions, starts, slots)
         )
-        cos, ssin = (t.reshape(N, -1).contiguous() for t in rope_tables(positions, self.model.inv_freq))
         logits = torch.empty(S, self.config.vocab)
         routed = torch.empty(N, max(self.moe_layers, 1), self.top_k, dtype=torch.long)
         self.lib.miles_fused_forward(
             ctypes.byref(self.config), self.table, S, starts.data_ptr(), slots.data_ptr(), ids.data_ptr(),
-            positions.data_ptr(), cos.data_ptr(), ssin.data_ptr(), self.embed.data_ptr(),
+            positions.data_ptr(), self.inv_freq.data_ptr(), self.embed.data_ptr(),
             self.final_norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(), routed.data_ptr(),
         )  # fmt: skip
         return logits, routed if self.moe_layers else None
