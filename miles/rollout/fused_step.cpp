@@ -75,36 +75,44 @@ inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_
     for (int j = 0; j < NV; j++) store(C + i * ldc + j * W, c[i][j]);
 }
 
-template <int MR>
-inline void row_block(int64_t K, int64_t N, const float *A, int64_t lda, const float *B, float *C,
-                      int64_t ldc) {
-  const int64_t full = N / W * W;
-  int64_t n = 0;
-  for (; n + 4 * W <= full; n += 4 * W) block<MR, 4>(K, A, lda, B + n, N, C + n, ldc);
-  switch ((full - n) / W) {
-    case 3: block<MR, 3>(K, A, lda, B + n, N, C + n, ldc); break;
-    case 2: block<MR, 2>(K, A, lda, B + n, N, C + n, ldc); break;
-    case 1: block<MR, 1>(K, A, lda, B + n, N, C + n, ldc); break;
+// C[R x NV*16] = A[R x K] @ B[K x NV*16]: one column panel of B, its rows in blocks of 4 (the
+// panel stays in cache while every row block streams through it)
+template <int NV>
+inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t ldb, float *C, int64_t ldc) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) block<4, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc);
+  switch (R - r) {
+    case 3: block<3, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
+    case 2: block<2, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
+    case 1: block<1, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
     default: break;
   }
-  for (int i = 0; i < MR; i++)  // the last N % 16 outputs
-    for (int64_t m = full; m < N; m++) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; k++) s += A[i * lda + k] * B[k * N + m];
-      C[i * ldc + m] = s;
-    }
 }
 
-// C[R x N] = A[R x K] @ B[K x N] (+ bias), B row-major (in, out); rows in blocks of 4
-void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias,
-          float *C) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) row_block<4>(K, N, A + r * K, K, B, C + r * N, N);
-  switch (R - r) {
-    case 3: row_block<3>(K, N, A + r * K, K, B, C + r * N, N); break;
-    case 2: row_block<2>(K, N, A + r * K, K, B, C + r * N, N); break;
-    case 1: row_block<1>(K, N, A + r * K, K, B, C + r * N, N); break;
-    default: break;
+constexpr int64_t ROW_CHUNK = 128;  // rows per pass over B: that many rows of A stay in L2
+
+// C[R x N] = A[R x K] @ B[K x N] (+ bias), B row-major (in, out): B in column panels of 64, each
+// read once per ROW_CHUNK rows (once for a decode step's rows)
+void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) {
+  const int64_t full = N / W * W;
+  for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
+    const int64_t rows = std::min(ROW_CHUNK, R - r0);
+    const float *a = A + r0 * K;
+    float *c = C + r0 * N;
+    int64_t n = 0;
+    for (; n + 4 * W <= full; n += 4 * W) panel<4>(rows, K, a, B + n, N, c + n, N);
+    switch ((full - n) / W) {
+      case 3: panel<3>(rows, K, a, B + n, N, c + n, N); break;
+      case 2: panel<2>(rows, K, a, B + n, N, c + n, N); break;
+      case 1: panel<1>(rows, K, a, B + n, N, c + n, N); break;
+      default: break;
+    }
+    for (int64_t i = 0; i < rows; i++)  // the last N % 16 outputs
+      for (int64_t m = full; m < N; m++) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * B[k * N + m];
+        c[i * N + m] = sum;
+      }
   }
   if (bias)
     for (int64_t i = 0; i < R; i++)
