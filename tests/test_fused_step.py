@@ -76,11 +76,16 @@ def filled_cache(model, slots: int, max_len: int, seed: int):
     return cache
 
 
+SPLITS = {"rows": 0, "columns": 10**6}  # wide_below: threads take rows / share every product
+
+
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_one_step_equals_the_general_forward(arch):
-    """Rows at different positions of a filled cache (so each sees its own prefix): logits within
-    fp32 rounding of the general forward's, the same experts, and the same keys and values
-    written where the forward writes them (and nothing else)."""
+def test_one_step_equals_the_general_forward(arch, split):
+    """Rows at different positions of a filled cache (so each sees its own prefix), the threads
+    splitting the rows or each product's columns: logits within fp32 rounding of the general
+    forward's, the same experts, and the same keys and values written where the forward writes
+    them (and nothing else)."""
     model = random_model(arch, seed=3)
     slots, max_len = 7, 24
     ids = torch.randint(0, model.config.vocab_size, (slots,), generator=torch.Generator().manual_seed(1))
@@ -88,7 +93,7 @@ def test_one_step_equals_the_general_forward(arch):
     want_cache, got_cache = filled_cache(model, slots, max_len, 0), filled_cache(model, slots, max_len, 0)
     with torch.no_grad():
         want = model(ids[:, None], positions=positions[:, None], cache=want_cache, cache_rows=slice(0, slots))
-    got = FusedDecode(model)(ids, positions, got_cache)
+    got = FusedDecode(model, threads=2, wide_below=SPLITS[split])(ids, positions, got_cache)
     assert got.logits.shape == want.logits.shape
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
@@ -99,8 +104,9 @@ def test_one_step_equals_the_general_forward(arch):
         assert got.routed_experts is None
 
 
+@pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "llama"])
-def test_a_prefill_equals_the_general_forwards(arch):
+def test_a_prefill_equals_the_general_forwards(arch, split):
     """Right-padded prompts of different lengths into scattered cache slots, several tokens per
     sequence (each attending causally to its own prefix): the last token's logits, the keys and
     values of every real position, and the experts of every real token."""
@@ -117,7 +123,7 @@ def test_a_prefill_equals_the_general_forwards(arch):
             ids, positions=torch.arange(T).expand(4, T), cache=want_cache, cache_rows=rows,
             logits_at=lengths - 1, token_mask=real,
         )  # fmt: skip
-    got = FusedDecode(model).prefill(ids, lengths, rows, got_cache)
+    got = FusedDecode(model, threads=2, wide_below=SPLITS[split]).prefill(ids, lengths, rows, got_cache)
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
         for slot, n in zip(rows, lengths):
@@ -126,6 +132,34 @@ def test_a_prefill_equals_the_general_forwards(arch):
         assert torch.equal(a[untouched], b[untouched])
     if model.config.is_moe:
         assert torch.equal(got.routed_experts[real], want.routed_experts[real])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(arch):
+    """Each row's arithmetic is its own (the same products in the same order whichever rows share
+    the step or its 4-row blocks, and whether the threads split the rows or share every product's
+    columns): a row decoded with six others, alone, or on one thread gives the same bits."""
+    model = random_model(arch, seed=6)
+    slots, max_len = 7, 24
+    ids = torch.randint(0, model.config.vocab_size, (slots,), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([3, 9, 0, 17, 5, 12, 20])
+    batch = FusedDecode(model, threads=2, wide_below=0)(
+        ids, positions, filled_cache(model, slots, max_len, 4)
+    )
+    for threads, wide_below in ((1, 0), (2, 10**6)):  # one thread; two sharing each product
+        other = FusedDecode(model, threads=threads, wide_below=wide_below)
+        got = other(ids, positions, filled_cache(model, slots, max_len, 4))
+        assert torch.equal(got.logits, batch.logits)
+    alone_cache = filled_cache(model, slots, max_len, 4)
+    for row in (0, 3, 6):  # row b alone, in cache slot b
+        one = FusedDecode(model).forward(
+            ids[row : row + 1],
+            positions[row : row + 1],
+            torch.tensor([0, 1]),
+            torch.tensor([row]),
+            alone_cache,
+        )[0]
+        assert torch.equal(one[0], batch.logits[row, 0])
 
 
 def requests(n: int) -> list[Request]:

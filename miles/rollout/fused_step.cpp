@@ -24,6 +24,7 @@ extern "C" {
 struct FusedConfig {
   int64_t hidden, heads, kv_heads, head_dim, vocab, layers, max_len;
   int64_t experts, top_k, normalize, inner, threads;  // inner: the largest layer's I
+  int64_t wide_below;  // tokens a thread below which the threads share each product
   double eps;
 };
 
@@ -91,33 +92,61 @@ inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t 
 
 constexpr int64_t ROW_CHUNK = 128;  // rows per pass over B: that many rows of A stay in L2
 
-// C[R x N] = A[R x K] @ B[K x N] (+ bias), B row-major (in, out): B in column panels of 64, each
-// read once per ROW_CHUNK rows (once for a decode step's rows)
-void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) {
+// Columns [n0, n1) (multiples of 16) of C[R x N] = A[R x K] @ B[K x N] (+ bias), and with `tail`
+// the last N % 16 too; B row-major (in, out), in column panels of 64, each read once per
+// ROW_CHUNK rows (once for a decode step's rows)
+void gemm_range(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C,
+                int64_t n0, int64_t n1, bool tail) {
   const int64_t full = N / W * W;
   for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(ROW_CHUNK, R - r0);
     const float *a = A + r0 * K;
     float *c = C + r0 * N;
-    int64_t n = 0;
-    for (; n + 4 * W <= full; n += 4 * W) panel<4>(rows, K, a, B + n, N, c + n, N);
-    switch ((full - n) / W) {
+    int64_t n = n0;
+    for (; n + 4 * W <= n1; n += 4 * W) panel<4>(rows, K, a, B + n, N, c + n, N);
+    switch ((n1 - n) / W) {
       case 3: panel<3>(rows, K, a, B + n, N, c + n, N); break;
       case 2: panel<2>(rows, K, a, B + n, N, c + n, N); break;
       case 1: panel<1>(rows, K, a, B + n, N, c + n, N); break;
       default: break;
     }
-    for (int64_t i = 0; i < rows; i++)  // the last N % 16 outputs
-      for (int64_t m = full; m < N; m++) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * B[k * N + m];
-        c[i * N + m] = sum;
-      }
+    if (tail)
+      for (int64_t i = 0; i < rows; i++)
+        for (int64_t m = full; m < N; m++) {
+          float sum = 0.f;
+          for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * B[k * N + m];
+          c[i * N + m] = sum;
+        }
   }
-  if (bias)
+  if (bias) {
+    const int64_t last = tail ? N : n1;
     for (int64_t i = 0; i < R; i++)
-      for (int64_t m = 0; m < N; m++) C[i * N + m] += bias[m];
+      for (int64_t m = n0; m < last; m++) C[i * N + m] += bias[m];
+  }
 }
+
+void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) {
+  gemm_range(R, K, N, A, B, bias, C, 0, N / W * W, true);
+}
+
+// The threads working on one set of tokens: one thread alone (each thread its own rows), or all
+// of them on every product, each its share of the output columns, meeting at a barrier after
+// each step that the next reads (few rows: every weight is then read once, not once a thread).
+struct Team {
+  int64_t t, T;
+  int64_t begin(int64_t n) const { return n * t / T; }
+  int64_t end(int64_t n) const { return n * (t + 1) / T; }
+  void sync() const {
+    if (T > 1) {
+#pragma omp barrier
+    }
+  }
+  void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) const {
+    const int64_t units = N / W;
+    if (R > 0) gemm_range(R, K, N, A, B, bias, C, begin(units) * W, end(units) * W, t == T - 1);
+    sync();
+  }
+};
 
 typedef int32_t vi __attribute__((vector_size(64)));
 
@@ -278,7 +307,7 @@ struct Tokens {
   const int64_t *starts, *slots;  // sequence s holds tokens [starts[s], starts[s + 1]) and cache slot slots[s]
   int64_t s0, s1, r0, R;
   Scratch &b;
-  std::vector<float> &h, &x, &qkv, &attn, &proj, &gu, &act, &gathered, &scores, &tmp, &moe, &cos, &ssin;
+  std::vector<float> &h, &x, &qkv, &attn, &proj, &gu, &act, &gathered, &moe, &cos, &ssin;
 
   Tokens(const FusedConfig &cfg, const int64_t *starts_, const int64_t *slots_, int64_t first, int64_t last,
          Scratch &scratch)
@@ -287,47 +316,54 @@ struct Tokens {
         qkv(grown(b.qkv, R * (c.heads + 2 * c.kv_heads) * c.head_dim)),
         attn(grown(b.attn, R * c.heads * c.head_dim)), proj(grown(b.proj, R * c.hidden)),
         gu(grown(b.gu, R * 2 * c.inner)), act(grown(b.act, R * c.inner)), gathered(grown(b.gathered, R * c.hidden)),
-        scores(grown(b.scores, c.max_len * c.heads / c.kv_heads)), tmp(grown(b.tmp, c.head_dim)),
-        moe(grown(b.moe, R * c.hidden)), cos(grown(b.cos, R * c.head_dim)), ssin(grown(b.ssin, R * c.head_dim)) {}
+        moe(grown(b.moe, R * c.hidden)), cos(grown(b.cos, R * c.head_dim)), ssin(grown(b.ssin, R * c.head_dim)) {
+    grown(b.router, R * std::max<int64_t>(c.experts, 1)), grown(b.weight, R * c.top_k);
+    grown(b.chosen, R * c.top_k), grown(b.gate, R);
+  }
 
-  // each token's keys and values written at its position of its sequence's slot, then each
-  // token attends to positions [0, its own]: causal within a sequence of several tokens
-  void attention(const FusedLayer &L, const int64_t *positions) {
+  // every token's keys and values written at its position of its sequence's slot, then each
+  // token attends to positions [0, its own]: causal within a sequence of several tokens.
+  // `mine`: this thread's own buffers (scores)
+  void attention(const Team &team, const FusedLayer &L, const int64_t *positions, Scratch &mine) {
     const int64_t H = c.heads, KV = c.kv_heads, D = c.head_dim, G = H / KV, n = (H + 2 * KV) * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const Attend attend_d = attend_for(D);
-    for (int64_t s = s0; s < s1; s++) {
-      for (int64_t row = starts[s]; row < starts[s + 1]; row++) {
+    float *scores = grown(mine.scores, c.max_len * G).data(), *tmp = grown(mine.tmp, D).data();
+    for (int64_t s = s0; s < s1; s++)
+      for (int64_t row = std::max(starts[s], r0 + team.begin(R)); row < std::min(starts[s + 1], r0 + team.end(R));
+           row++) {
         float *q = qkv.data() + (row - r0) * n, *k = q + H * D, *v = k + KV * D;
         if (L.q_norm) {
           for (int64_t hd = 0; hd < H; hd++) rms_norm(D, q + hd * D, L.q_norm, c.eps, q + hd * D);
           for (int64_t hd = 0; hd < KV; hd++) rms_norm(D, k + hd * D, L.k_norm, c.eps, k + hd * D);
         }
-        rope(H + KV, D, q, cos.data() + (row - r0) * D, ssin.data() + (row - r0) * D, tmp.data());
+        rope(H + KV, D, q, cos.data() + (row - r0) * D, ssin.data() + (row - r0) * D, tmp);
         for (int64_t j = 0; j < KV; j++) {
           const int64_t at = ((slots[s] * KV + j) * c.max_len + positions[row]) * D;
           std::memcpy(L.keys + at, k + j * D, D * sizeof(float));
           std::memcpy(L.values + at, v + j * D, D * sizeof(float));
         }
       }
-      for (int64_t row = starts[s]; row < starts[s + 1]; row++) {
-        const float *q = qkv.data() + (row - r0) * n;
-        for (int64_t j = 0; j < KV; j++) {
-          const int64_t base = (slots[s] * KV + j) * c.max_len * D;
-          attend_d(G, D, positions[row] + 1, q + j * G * D, L.keys + base, L.values + base, scale, scores.data(),
-                   attn.data() + (row - r0) * H * D + j * G * D);
-        }
-      }
+    team.sync();
+    const int64_t pairs = R * KV;  // (token, KV head) pairs, shared out over the team
+    for (int64_t s = s0, pair = team.begin(pairs); pair < team.end(pairs); pair++) {
+      const int64_t row = r0 + pair / KV, j = pair % KV;
+      while (starts[s + 1] <= row) s++;
+      const int64_t base = (slots[s] * KV + j) * c.max_len * D;
+      attend_d(G, D, positions[row] + 1, qkv.data() + (row - r0) * n + j * G * D, L.keys + base, L.values + base,
+               scale, scores, attn.data() + (row - r0) * H * D + j * G * D);
     }
+    team.sync();
   }
 
-  // the routed experts of each row, summed with their weights into moe; chosen recorded
-  void experts(const FusedLayer &L, int64_t *chosen_out, int64_t stride) {
-    const int64_t E = c.experts, K = c.top_k, hid = c.hidden, I = L.inner;
-    float *logits = grown(b.router, R * E).data(), *weight = grown(b.weight, R * K).data();
-    int64_t *chosen = grown(b.chosen, R * K).data();
-    gemm(R, hid, E, x.data(), L.router, nullptr, logits);
-    for (int64_t i = 0; i < R; i++) {
+  // rows [0, R) of x through the router: chosen experts and their weights, recorded in chosen_out
+  void route(const Team &team, const FusedLayer &L, int64_t *chosen_out, int64_t stride) {
+    const int64_t E = c.experts, K = c.top_k;
+    float *logits = b.router.data(), *weight = b.weight.data();
+    int64_t *chosen = b.chosen.data();
+    const int64_t i0 = team.begin(R), i1 = team.end(R);
+    gemm(i1 - i0, c.hidden, E, x.data() + i0 * c.hidden, L.router, nullptr, logits + i0 * E);
+    for (int64_t i = i0; i < i1; i++) {
       float *l = logits + i * E;
       const float top = *std::max_element(l, l + E);
       float total = 0.f;
@@ -348,9 +384,18 @@ struct Tokens {
         chosen_out[(r0 + i) * stride + k] = chosen[i * K + k];
       }
     }
-    std::fill(moe.begin(), moe.begin() + R * hid, 0.f);
-    std::vector<int64_t> &rows = b.rows;
-    std::vector<float> &scale = b.scale;
+    std::fill(moe.begin() + i0 * c.hidden, moe.begin() + i1 * c.hidden, 0.f);
+    team.sync();
+  }
+
+  // the routed experts of each row, summed with their weights into moe, each expert on the rows
+  // that chose it (`mine`: this thread's list of them)
+  void experts(const Team &team, const FusedLayer &L, Scratch &mine) {
+    const int64_t E = c.experts, K = c.top_k, hid = c.hidden, I = L.inner;
+    const int64_t *chosen = b.chosen.data();
+    const float *weight = b.weight.data();
+    std::vector<int64_t> &rows = mine.rows;
+    std::vector<float> &scale = mine.scale;
     for (int64_t e = 0; e < E; e++) {
       rows.clear(), scale.clear();
       for (int64_t i = 0; i < R; i++)
@@ -358,39 +403,44 @@ struct Tokens {
           if (chosen[i * K + k] == e) rows.push_back(i), scale.push_back(weight[i * K + k]);
       const int64_t n = rows.size();
       if (n == 0) continue;
-      for (int64_t j = 0; j < n; j++)
+      for (int64_t j = team.begin(n); j < team.end(n); j++)
         std::memcpy(gathered.data() + j * hid, x.data() + rows[j] * hid, hid * sizeof(float));
-      gemm(n, hid, 2 * I, gathered.data(), L.gate_up + e * hid * 2 * I, nullptr, gu.data());
-      swiglu(n, I, gu.data(), act.data());
-      gemm(n, I, hid, act.data(), L.down + e * I * hid, nullptr, proj.data());
-      for (int64_t j = 0; j < n; j++) {
+      team.sync();
+      team.gemm(n, hid, 2 * I, gathered.data(), L.gate_up + e * hid * 2 * I, nullptr, gu.data());
+      swiglu(team.end(n) - team.begin(n), I, gu.data() + team.begin(n) * 2 * I, act.data() + team.begin(n) * I);
+      team.sync();
+      team.gemm(n, I, hid, act.data(), L.down + e * I * hid, nullptr, proj.data());
+      for (int64_t j = team.begin(n); j < team.end(n); j++) {
         float *dst = moe.data() + rows[j] * hid;
         const float *src = proj.data() + j * hid, w = scale[j];
 #pragma omp simd
         for (int64_t m = 0; m < hid; m++) dst[m] += w * src[m];
       }
+      team.sync();
     }
   }
 
   // moe += sigmoid(x . gate) * SwiGLU MLP(x), the shared expert every row goes through
-  void shared_expert(const FusedLayer &L) {
-    const int64_t hid = c.hidden, I = L.shared_inner;
-    float *gate = grown(b.gate, R).data();
-    gemm(R, hid, 2 * I, x.data(), L.shared_gate_up, nullptr, gu.data());
-    swiglu(R, I, gu.data(), act.data());
-    gemm(R, I, hid, act.data(), L.shared_down, nullptr, proj.data());
-    gemm(R, hid, 1, x.data(), L.shared_gate, nullptr, gate);
-    for (int64_t i = 0; i < R; i++) {
+  void shared_expert(const Team &team, const FusedLayer &L) {
+    const int64_t hid = c.hidden, I = L.shared_inner, i0 = team.begin(R), i1 = team.end(R);
+    float *gate = b.gate.data();
+    team.gemm(R, hid, 2 * I, x.data(), L.shared_gate_up, nullptr, gu.data());
+    swiglu(i1 - i0, I, gu.data() + i0 * 2 * I, act.data() + i0 * I);
+    team.sync();
+    team.gemm(R, I, hid, act.data(), L.shared_down, nullptr, proj.data());
+    gemm(i1 - i0, hid, 1, x.data() + i0 * hid, L.shared_gate, nullptr, gate + i0);
+    for (int64_t i = i0; i < i1; i++) {
       const float g = 1.0f / (1.0f + std::exp(-gate[i]));
       for (int64_t m = 0; m < hid; m++) moe[i * hid + m] += g * proj[i * hid + m];
     }
+    team.sync();
   }
 
   // each token's rotary cos and rotate-half-signed sin, as the model computes them:
   // cos(float(position) * inv_freq), the D/2 frequencies repeated
-  void rotary(const int64_t *positions, const float *inv_freq) {
+  void rotary(const Team &team, const int64_t *positions, const float *inv_freq) {
     const int64_t D = c.head_dim, half = D / 2;
-    for (int64_t i = 0; i < R; i++)
+    for (int64_t i = team.begin(R); i < team.end(R); i++)
       for (int64_t d = 0; d < half; d++) {
         const float angle = static_cast<float>(positions[r0 + i]) * inv_freq[d];
         const float cv = std::cos(angle), sv = std::sin(angle);
@@ -399,37 +449,57 @@ struct Tokens {
       }
   }
 
-  void run(const FusedLayer *layers, const int64_t *ids, const int64_t *positions, const float *inv_freq,
-           const float *embed, const float *final_norm, const float *lm_head, float *logits, int64_t *routed) {
+  // rows of the team's share: h += add (unless null), then x = RMSNorm(h)
+  void residual_norm(const Team &team, const float *add, const float *weight) {
+    const int64_t hid = c.hidden;
+    for (int64_t i = team.begin(R); i < team.end(R); i++) {
+      if (add)
+        for (int64_t m = i * hid; m < (i + 1) * hid; m++) h[m] += add[m];
+      rms_norm(hid, h.data() + i * hid, weight, c.eps, x.data() + i * hid);
+    }
+    team.sync();
+  }
+
+  void run(const Team &team, Scratch &mine, const FusedLayer *layers, const int64_t *ids,
+           const int64_t *positions, const float *inv_freq, const float *embed, const float *final_norm,
+           const float *lm_head, float *logits, int64_t *routed) {
     const int64_t hid = c.hidden, n = (c.heads + 2 * c.kv_heads) * c.head_dim;
-    rotary(positions, inv_freq);
-    for (int64_t i = 0; i < R; i++)
+    rotary(team, positions, inv_freq);
+    for (int64_t i = team.begin(R); i < team.end(R); i++)
       std::memcpy(h.data() + i * hid, embed + ids[r0 + i] * hid, hid * sizeof(float));
     int64_t moe_index = 0, moe_layers = 0;
     for (int64_t l = 0; l < c.layers; l++) moe_layers += layers[l].router != nullptr;
+    const float *pending = nullptr;  // the last sublayer's output, added to h with the next norm
     for (int64_t l = 0; l < c.layers; l++) {
       const FusedLayer &L = layers[l];
-      for (int64_t i = 0; i < R; i++) rms_norm(hid, h.data() + i * hid, L.in_norm, c.eps, x.data() + i * hid);
-      gemm(R, hid, n, x.data(), L.qkv, L.qkv_bias, qkv.data());
-      attention(L, positions);
-      gemm(R, c.heads * c.head_dim, hid, attn.data(), L.o, L.o_bias, proj.data());
-      for (int64_t m = 0; m < R * hid; m++) h[m] += proj[m];
-      for (int64_t i = 0; i < R; i++) rms_norm(hid, h.data() + i * hid, L.post_norm, c.eps, x.data() + i * hid);
+      residual_norm(team, pending, L.in_norm);
+      team.gemm(R, hid, n, x.data(), L.qkv, L.qkv_bias, qkv.data());
+      attention(team, L, positions, mine);
+      team.gemm(R, c.heads * c.head_dim, hid, attn.data(), L.o, L.o_bias, proj.data());
+      residual_norm(team, proj.data(), L.post_norm);
       if (L.router) {
-        experts(L, routed + moe_index * c.top_k, moe_layers * c.top_k);
+        route(team, L, routed + moe_index * c.top_k, moe_layers * c.top_k);
         moe_index++;
-        if (L.shared_gate_up) shared_expert(L);
-        for (int64_t m = 0; m < R * hid; m++) h[m] += moe[m];
+        experts(team, L, mine);
+        if (L.shared_gate_up) shared_expert(team, L);
+        pending = moe.data();
       } else {
-        gemm(R, hid, 2 * L.inner, x.data(), L.gate_up, nullptr, gu.data());
-        swiglu(R, L.inner, gu.data(), act.data());
-        gemm(R, L.inner, hid, act.data(), L.down, nullptr, proj.data());
-        for (int64_t m = 0; m < R * hid; m++) h[m] += proj[m];
+        const int64_t i0 = team.begin(R), i1 = team.end(R);
+        team.gemm(R, hid, 2 * L.inner, x.data(), L.gate_up, nullptr, gu.data());
+        swiglu(i1 - i0, L.inner, gu.data() + i0 * 2 * L.inner, act.data() + i0 * L.inner);
+        team.sync();
+        team.gemm(R, L.inner, hid, act.data(), L.down, nullptr, proj.data());
+        pending = proj.data();
       }
     }
-    for (int64_t s = s0; s < s1; s++)  // logits of each sequence's last token only
+    for (int64_t i = team.begin(R); i < team.end(R); i++)
+      for (int64_t m = i * hid; m < (i + 1) * hid; m++) h[m] += pending[m];
+    team.sync();
+    const int64_t S = s1 - s0;
+    for (int64_t s = s0 + team.begin(S); s < s0 + team.end(S); s++)  // logits of each sequence's last token
       rms_norm(hid, h.data() + (starts[s + 1] - 1 - r0) * hid, final_norm, c.eps, x.data() + (s - s0) * hid);
-    gemm(s1 - s0, hid, c.vocab, x.data(), lm_head, nullptr, logits + s0 * c.vocab);
+    team.sync();
+    team.gemm(S, hid, c.vocab, x.data(), lm_head, nullptr, logits + s0 * c.vocab);
   }
 };
 
@@ -440,25 +510,35 @@ extern "C" {
 // Sequences [0, S), sequence s holding tokens [starts[s], starts[s + 1]) of the flattened batch at
 // cache slot slots[s]; per token: ids and positions; inv_freq: RoPE's D/2 frequencies. A decode step is S
 // sequences of one token; a prefill, each prompt's tokens. Out: logits (S, vocab) of each
-// sequence's last token, routed (tokens, MoE layers, top_k) (unused for a dense model). The
-// threads take consecutive sequences holding about equal numbers of tokens.
+// sequence's last token, routed (tokens, MoE layers, top_k) (unused for a dense model).
+// With at least cfg->wide_below tokens a thread (and a sequence each), each thread takes
+// consecutive sequences holding about equal numbers of tokens through the whole model alone;
+// with fewer, all threads work on every product together (Team).
 void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64_t S, const int64_t *starts,
                          const int64_t *slots, const int64_t *ids, const int64_t *positions, const float *inv_freq,
                          const float *embed, const float *final_norm, const float *lm_head,
                          float *logits, int64_t *routed) {
-  const int64_t threads = std::max<int64_t>(1, std::min(cfg->threads, S)), total = starts[S];
-#pragma omp parallel num_threads(threads)
+  const int64_t threads = std::max<int64_t>(1, cfg->threads), total = starts[S];
+  const bool wide = threads > 1 && (S < threads || total < cfg->wide_below * threads);
+  static thread_local Scratch shared_scratch;  // the calling thread's: a wide team's shared buffers
+  Tokens *all = wide ? new Tokens(*cfg, starts, slots, 0, S, shared_scratch) : nullptr;
+#pragma omp parallel num_threads(wide ? threads : std::min(threads, S))
   {
+    static thread_local Scratch scratch;
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-    // the first sequence starting at or past token total * t / T, for t and t + 1
-    const int64_t first = t == 0 ? 0 : std::lower_bound(starts, starts + S, total * t / T) - starts;
-    const int64_t last = t + 1 == T ? S : std::lower_bound(starts, starts + S, total * (t + 1) / T) - starts;
-    if (last > first) {
-      static thread_local Scratch scratch;
-      Tokens part(*cfg, starts, slots, first, last, scratch);
-      part.run(layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed);
+    if (wide) {
+      all->run(Team{t, T}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed);
+    } else {
+      // the first sequence starting at or past token total * t / T, for t and t + 1
+      const int64_t first = t == 0 ? 0 : std::lower_bound(starts, starts + S, total * t / T) - starts;
+      const int64_t last = t + 1 == T ? S : std::lower_bound(starts, starts + S, total * (t + 1) / T) - starts;
+      if (last > first) {
+        Tokens part(*cfg, starts, slots, first, last, scratch);
+        part.run(Team{0, 1}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed);
+      }
     }
   }
+  delete all;
 }
 
 }  // extern "C"

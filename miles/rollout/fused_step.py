@@ -42,6 +42,7 @@ from miles.rollout.fast_decode import unsupported
 log = logging.getLogger("miles")
 
 SOURCE = Path(__file__).with_name("fused_step.cpp")
+WIDE_BELOW = 16  # tokens a thread below which the threads share each product (one read of each weight)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -50,7 +51,7 @@ class _Config(ctypes.Structure):
         (name, ctypes.c_int64)
         for name in (
             "hidden", "heads", "kv_heads", "head_dim", "vocab", "layers", "max_len",
-            "experts", "top_k", "normalize", "inner", "threads",
+            "experts", "top_k", "normalize", "inner", "threads", "wide_below",
         )
     ] + [("eps", ctypes.c_double)]  # fmt: skip
 
@@ -145,13 +146,14 @@ class FusedDecode:
     """One decode token for rows [0, B) of a KV cache by one call into `fused_step.cpp`; called
     like `FastDecoder`. `threads`: the rows are split over this many (default: torch's)."""
 
-    def __init__(self, model: Transformer, threads: int | None = None) -> None:
+    def __init__(self, model: Transformer, threads: int | None = None, wide_below: int = WIDE_BELOW) -> None:
         reason = fused_unsupported(model)
         if reason is not None:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.lib = library()
         self.model, cfg = model, model.config
         self.threads = threads or torch.get_num_threads()
+        self.wide_below = wide_below
         self.sources = [p for p in model.parameters()]
         self._packed_versions: list[int] | None = None
         self._pointers = [p.data_ptr() for p in self.sources]
@@ -233,6 +235,7 @@ class FusedDecode:
             normalize=int(bool(cfg.norm_topk_prob)),
             inner=largest,
             threads=self.threads,
+            wide_below=self.wide_below,
             eps=cfg.rms_norm_eps,
         )
         self._packed_versions = [p._version for p in self.sources]
