@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
-from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
 from miles.rollout import fused_step
+from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
 from miles.rollout.fast_decode import mkl_packing_works, onednn_works, pack_mkl, pack_onednn
 
 
