@@ -102,11 +102,11 @@ def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torc
 
 
 def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]]):
-    """All of `work`'s products by one call into the fused step's GEMM (weights transposed
-    beforehand, as the step keeps them)."""
+    """All of `work`'s products by one call into the fused step's GEMM (weights transposed and
+    packed in panels beforehand, as the step keeps them)."""
     lib = fused_step.library()
     a = [x.contiguous() for x, _ in work]
-    b = [w.detach().t().contiguous() for _, w in work]
+    b = [fused_step.pack_panels(w.detach().t()) for _, w in work]
     c = [torch.empty(x.shape[0], w.shape[0]) for x, w in work]
     shapes = [
         torch.tensor(v, dtype=torch.long)

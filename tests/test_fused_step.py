@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles.rollout import Engine, Request, SamplingParams, fused_step
-from miles.rollout.fused_step import FusedDecode, fused_unsupported, library
+from miles.rollout.fused_step import FusedDecode, fused_unsupported, library, pack_panels
 from tests.conftest import ARCHS, random_model
 
 pytestmark = pytest.mark.skipif(fused_step.compiler() is None, reason="needs a C++ compiler")
@@ -35,23 +35,25 @@ def gemm_error_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @given(
     rows=st.one_of(st.integers(1, 11), st.integers(120, 300)),
     inner=st.integers(1, 150),
-    out=st.integers(1, 150),
+    out=st.integers(1, 200),
     seed=st.integers(0, 99),
 )
 def test_the_steps_gemm_is_a_correct_fp32_product(rows, inner, out, seed):
     """Every row and column remainder of the register-blocked kernel (rows in 4s and in chunks of
-    128, outputs in 64s then 16s then one by one) against the fp64 product, within the rounding
-    bound; the bias added."""
+    128, outputs in panels of 64, a last panel's in 16s then one by one) on the weight packed in
+    panels, against the fp64 product, within the rounding bound; the bias added."""
     gen = torch.Generator().manual_seed(seed)
     a, b, bias = (
         torch.randn(rows, inner, generator=gen),
         torch.randn(inner, out, generator=gen),
         torch.randn(out),
     )
-    got, with_bias = torch.empty(rows, out), torch.empty(rows, out)
+    got, with_bias, packed = torch.empty(rows, out), torch.empty(rows, out), pack_panels(b)
     lib = library()
-    lib.miles_fused_gemm(rows, inner, out, a.data_ptr(), b.data_ptr(), None, got.data_ptr())
-    lib.miles_fused_gemm(rows, inner, out, a.data_ptr(), b.data_ptr(), bias.data_ptr(), with_bias.data_ptr())
+    lib.miles_fused_gemm(rows, inner, out, a.data_ptr(), packed.data_ptr(), None, got.data_ptr())
+    lib.miles_fused_gemm(
+        rows, inner, out, a.data_ptr(), packed.data_ptr(), bias.data_ptr(), with_bias.data_ptr()
+    )
     exact = a.double() @ b.double()
     bound = gemm_error_bound(a, b)
     assert ((got.double() - exact).abs() <= bound).all()

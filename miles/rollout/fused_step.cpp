@@ -76,8 +76,8 @@ inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_
     for (int j = 0; j < NV; j++) store(C + i * ldc + j * W, c[i][j]);
 }
 
-// C[R x NV*16] = A[R x K] @ B[K x NV*16]: one column panel of B, its rows in blocks of 4 (the
-// panel stays in cache while every row block streams through it)
+// C[R x NV*16] = A[R x K] @ B[K x NV*16] (B's row stride ldb): one column panel, its rows in
+// blocks of 4 (the panel stays in cache while every row block streams through it)
 template <int NV>
 inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t ldb, float *C, int64_t ldc) {
   int64_t r = 0;
@@ -91,42 +91,45 @@ inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t 
 }
 
 constexpr int64_t ROW_CHUNK = 128;  // rows per pass over B: that many rows of A stay in L2
+constexpr int64_t PANEL = 64;       // columns of a packed weight panel
 
-// Columns [n0, n1) (multiples of 16) of C[R x N] = A[R x K] @ B[K x N] (+ bias), and with `tail`
-// the last N % 16 too; B row-major (in, out), in column panels of 64, each read once per
-// ROW_CHUNK rows (once for a decode step's rows)
+// Panels [p0, p1) of C[R x N] = A[R x K] @ B (+ bias). B is the (in, out) weight packed in column
+// panels: panel p, columns [64p, min(64p + 64, N)), lies contiguous as K rows of its width, so
+// a panel is one sequential read of memory. Each panel is read once per ROW_CHUNK rows (once for
+// a decode step's rows) while the rows stream through it in blocks of 4.
 void gemm_range(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C,
-                int64_t n0, int64_t n1, bool tail) {
-  const int64_t full = N / W * W;
+                int64_t p0, int64_t p1) {
   for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(ROW_CHUNK, R - r0);
     const float *a = A + r0 * K;
     float *c = C + r0 * N;
-    int64_t n = n0;
-    for (; n + 4 * W <= n1; n += 4 * W) panel<4>(rows, K, a, B + n, N, c + n, N);
-    switch ((n1 - n) / W) {
-      case 3: panel<3>(rows, K, a, B + n, N, c + n, N); break;
-      case 2: panel<2>(rows, K, a, B + n, N, c + n, N); break;
-      case 1: panel<1>(rows, K, a, B + n, N, c + n, N); break;
-      default: break;
-    }
-    if (tail)
-      for (int64_t i = 0; i < rows; i++)
-        for (int64_t m = full; m < N; m++) {
+    for (int64_t p = p0; p < p1; p++) {
+      const int64_t n = p * PANEL, width = std::min(PANEL, N - n), full = width / W * W;
+      const float *b = B + K * n;
+      switch (full / W) {
+        case 4: panel<4>(rows, K, a, b, width, c + n, N); break;
+        case 3: panel<3>(rows, K, a, b, width, c + n, N); break;
+        case 2: panel<2>(rows, K, a, b, width, c + n, N); break;
+        case 1: panel<1>(rows, K, a, b, width, c + n, N); break;
+        default: break;
+      }
+      for (int64_t i = 0; i < rows; i++)  // the panel's last width % 16 outputs
+        for (int64_t m = full; m < width; m++) {
           float sum = 0.f;
-          for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * B[k * N + m];
-          c[i * N + m] = sum;
+          for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * b[k * width + m];
+          c[i * N + n + m] = sum;
         }
+    }
   }
-  if (bias) {
-    const int64_t last = tail ? N : n1;
+  if (bias)
     for (int64_t i = 0; i < R; i++)
-      for (int64_t m = n0; m < last; m++) C[i * N + m] += bias[m];
-  }
+      for (int64_t m = p0 * PANEL; m < std::min(p1 * PANEL, N); m++) C[i * N + m] += bias[m];
 }
 
+inline int64_t panels(int64_t N) { return (N + PANEL - 1) / PANEL; }
+
 void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) {
-  gemm_range(R, K, N, A, B, bias, C, 0, N / W * W, true);
+  gemm_range(R, K, N, A, B, bias, C, 0, panels(N));
 }
 
 // The threads working on one set of tokens: one thread alone (each thread its own rows), or all
@@ -142,8 +145,7 @@ struct Team {
     }
   }
   void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) const {
-    const int64_t units = N / W;
-    if (R > 0) gemm_range(R, K, N, A, B, bias, C, begin(units) * W, end(units) * W, t == T - 1);
+    if (R > 0) gemm_range(R, K, N, A, B, bias, C, begin(panels(N)), end(panels(N)));
     sync();
   }
 };

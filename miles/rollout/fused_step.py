@@ -137,9 +137,19 @@ def fused_unsupported(model: Transformer) -> str | None:
     return None
 
 
+PANEL = 64  # columns of a packed panel (fused_step.cpp's PANEL)
+
+
+def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
+    """An (in, out) weight laid out as fused_step.cpp reads it: column panels of 64, each
+    contiguous (in rows of its width), one after another; flat."""
+    return torch.cat([weight_t[:, n : n + PANEL].reshape(-1) for n in range(0, weight_t.shape[1], PANEL)])
+
+
 def _t(weights: list[torch.Tensor]) -> torch.Tensor:
-    """Projection weights (out, in), concatenated along out, as one (in, out) tensor."""
-    return torch.cat([w.detach() for w in weights]).t().contiguous()
+    """Projection weights (out, in), concatenated along out, as one (in, out) weight packed in
+    panels (`pack_panels`)."""
+    return pack_panels(torch.cat([w.detach() for w in weights]).t())
 
 
 class FusedDecode:
