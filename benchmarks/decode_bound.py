@@ -8,8 +8,8 @@
   fastest of plain `F.linear`, MKL's packed GEMM, oneDNN's linear on packed weights (weights
   packed beforehand, not timed), at a few rows the compiled step's multiply-and-sum form
   (compiled beforehand, not timed) and the fused step's own register-blocked GEMM (all of the
-  step's products in one C++ call, each one's rows split over the threads as the step splits
-  them: the step's products with no per-call cost at all).
+  step's products in one C++ call, each one's rows or its weight panels split over the threads,
+  the two ways the step splits them: the step's products with no per-call cost at all).
 
 The tighter bound is the larger of the two times. Used by rollout_throughput.py and
 decode_profile.py.
@@ -101,9 +101,10 @@ def _step_gemms(model: Transformer, batch: int) -> list[tuple[torch.Tensor, torc
     return out
 
 
-def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]]):
+def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]], columns: bool):
     """All of `work`'s products by one call into the fused step's GEMM (weights transposed and
-    packed in panels beforehand, as the step keeps them)."""
+    packed in panels beforehand, as the step keeps them), the threads splitting each product's
+    rows or (`columns`) its panels."""
     lib = fused_step.library()
     a = [x.contiguous() for x, _ in work]
     b = [fused_step.pack_panels(w.detach().t()) for _, w in work]
@@ -113,7 +114,7 @@ def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]]):
         for v in zip(*[(x.shape[0], x.shape[1], w.shape[0]) for x, w in work])
     ]
     pointers = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.long) for ts in (a, b, c)]
-    args = [len(work), *(t.data_ptr() for t in shapes + pointers), torch.get_num_threads()]
+    args = [len(work), *(t.data_ptr() for t in shapes + pointers), torch.get_num_threads(), int(columns)]
     keep = (a, b, c, shapes, pointers)
     return lambda: lib.miles_fused_gemm_list(*args) or keep
 
@@ -132,7 +133,8 @@ def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
             calls = [pack(w.detach(), x.shape[0])[0] for x, w in work]
             runs[name] = [lambda x=x, call=call: call(x) for (x, _), call in zip(work, calls)]
     if fused_step.compiler() is not None:
-        runs["fused step's GEMM"] = [_fused_gemms(work)]
+        runs["fused step's GEMM, rows split"] = [_fused_gemms(work, columns=False)]
+        runs["fused step's GEMM, panels split"] = [_fused_gemms(work, columns=True)]
     if batch <= GEMV_ROWS and has_cpp_compiler():
         # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
         # faster than MKL's GEMV on some CPUs, so the bound has to count it

@@ -546,20 +546,24 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
 }  // extern "C"
 
 // The step's building blocks, for tests and benchmarks/decode_bound.py: C = A @ B (+ bias); a
-// list of such products back to back, each one's rows split over the threads as the step splits
-// its rows (the step's GEMMs alone); and the exponential.
+// list of such products back to back, each one's rows or panels split over the threads as the
+// step splits them (the step's GEMMs alone); and the exponential.
 extern "C" {
 
 void miles_fused_gemm_list(int64_t count, const int64_t *R, const int64_t *K, const int64_t *N,
-                           const int64_t *A, const int64_t *B, const int64_t *C, int64_t threads) {
+                           const int64_t *A, const int64_t *B, const int64_t *C, int64_t threads, int64_t columns) {
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     for (int64_t i = 0; i < count; i++) {
-      const int64_t first = R[i] * t / T, rows = R[i] * (t + 1) / T - first;
-      if (rows > 0)
-        gemm(rows, K[i], N[i], reinterpret_cast<const float *>(A[i]) + first * K[i],
-             reinterpret_cast<const float *>(B[i]), nullptr, reinterpret_cast<float *>(C[i]) + first * N[i]);
+      const float *a = reinterpret_cast<const float *>(A[i]), *b = reinterpret_cast<const float *>(B[i]);
+      float *c = reinterpret_cast<float *>(C[i]);
+      if (columns) {  // each thread its share of the panels, all rows (as a team does)
+        Team{t, T}.gemm(R[i], K[i], N[i], a, b, nullptr, c);
+      } else {  // each thread its share of the rows, all panels
+        const int64_t first = R[i] * t / T, rows = R[i] * (t + 1) / T - first;
+        if (rows > 0) gemm(rows, K[i], N[i], a + first * K[i], b, nullptr, c + first * N[i]);
+      }
     }
   }
 }

@@ -119,7 +119,7 @@ def library() -> ctypes.CDLL:
         ctypes.c_void_p
     ] * 10
     lib.miles_fused_gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
-    lib.miles_fused_gemm_list.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+    lib.miles_fused_gemm_list.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
     lib.miles_fused_exp.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
