@@ -26,6 +26,16 @@ def number(kind: type, low: float, low_open: bool = False):
     return parse
 
 
+def add_fused_step_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fused-step",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU, fp32: each decode step and prefill as one C++ call (as miles train's --rollout-fused-step; "
+        "steps aside by itself where it cannot run); --no-fused-step: the lean step",
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from miles.models import registry
     from miles.models.tokenizer import encode_prompt
@@ -33,7 +43,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = registry.load(args.model)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    engine = Engine(model, tokenizer, max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens + 1)
+    engine = Engine(
+        model, tokenizer, max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens + 1,
+        fused_step=args.fused_step,
+    )  # fmt: skip
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     sample = engine.generate([Request(list(prompt_ids), params)])[0]
     print(sample.response if args.chat else args.prompt + sample.response)
@@ -70,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         seed=args.seed,
         speculator=speculator_for(spec, model, args.max_batch_size, max_seq_len),
+        fused_step=args.fused_step,
     )
     server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model).start()
     print(
@@ -200,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=number(float, 0), default=0.0, help="0 = greedy (default); > 0 samples"
     )
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
+    add_fused_step_flag(gen)
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser(
@@ -236,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-layers", type=number(int, 1), default=1, help="with --draft-model auto: blocks kept"
     )
     serve.add_argument("--spec-lookahead", type=number(int, 1), default=5, help="draft tokens per model pass")
+    add_fused_step_flag(serve)
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser(
