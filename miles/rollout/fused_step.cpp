@@ -1,11 +1,14 @@
-// One decode token for a batch of rows, the whole model in one call (miles/rollout/fused_step.py).
+// A decode step or a prefill, the whole model in one call (miles/rollout/fused_step.py).
 //
-// Every row's step is independent of the others' (its own KV-cache slot, its own experts), so the
-// rows are split once over the threads and each thread runs its rows through every layer: one
-// parallel region a step instead of a fork and join per operator. Inside a thread the
-// projections are small GEMMs on weights stored transposed, (in, out), so a register-blocked
-// kernel of MR rows x NV*16 outputs streams each weight row once per MR rows; each MoE layer
-// groups the thread's rows by expert and runs each chosen expert on its rows only.
+// Every sequence's tokens are independent of the other sequences' (their own KV-cache slot, their
+// own experts), so with many tokens the sequences are split once over the threads and each
+// thread runs its own through every layer: one parallel region a call instead of a fork and join
+// per operator. With few tokens a thread, the threads work on every product together, each on
+// its share of the output panels (Team), so each weight is read once. The projections are GEMMs
+// on weights transposed, (in, out), and packed in contiguous column panels of 64; a
+// register-blocked kernel of up to 4 rows x 64 outputs streams a panel once per 128 rows; each
+// MoE layer runs each chosen expert on the rows that chose it. A token's arithmetic never
+// depends on which other tokens share its call, its row block or its thread.
 //
 // Plain C++ (no torch headers): it compiles in a few seconds with `-O3 -march=native -fopenmp`
 // and is called through ctypes. fp32 throughout; summation orders differ from ATen's, so

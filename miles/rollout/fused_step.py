@@ -1,22 +1,26 @@
-"""The whole one-token decode step as one C++ call (`--rollout-fused-step`, off by default).
+"""Each decode step and prefill as one C++ call (`--rollout-fused-step`, the default on CPU).
 
 At the sizes RL rollout runs on a CPU, a decode step of a small model is about a hundred
 operators of a few microseconds each, and each one forks and joins the thread pool
 (docs/performance.md, "Where a decode step goes"). Every row's step is independent of the other
 rows' (its own KV-cache slot, its own experts), so `fused_step.cpp` splits the rows over the
 threads once and runs each thread's rows through the whole model: one parallel region a step.
-Inside it the projections are register-blocked GEMMs on weights stored transposed, and each MoE
-layer runs each chosen expert on the rows that chose it.
+With few rows a thread (SmolLM2 at batch 1 or 16) the threads share each product by output
+panels instead, so every weight is read once a step. The projections are register-blocked GEMMs
+on weights transposed and packed once into contiguous column panels (`pack_panels`); each MoE
+layer runs each chosen expert on the rows that chose it; a prefill is the same call on
+sequences of many tokens.
 
 The source is compiled on first use with the system's C++ compiler (`-O3 -march=native
 -fopenmp`, a few seconds, no torch headers) into a cache directory (`$MILES_KERNEL_CACHE`, else
 `~/.cache/miles/kernels`), keyed by the source, the compiler and the CPU, and loaded with ctypes.
 
 Rounding: the summation orders differ from ATen's (and the softmax's exponential is a
-polynomial to about 1 ulp), so logits match the general forward's to fp32 rounding, not bitwise
-(tests/test_fused_step.py); `train_rollout_logprob_abs_diff` reports the gap in a run.
-The transposed weights are a second copy of every projection, remade when a parameter's
-version moves (a weight update copies into the parameters in place).
+polynomial to about 1 ulp), so logits match the general forward's to fp32 rounding, not bitwise;
+but a row's arithmetic is its own, so its bits do not depend on its batch-mates, the thread
+count or the split (tests/test_fused_step.py). `train_rollout_logprob_abs_diff` reports the gap
+to the trainer in a run. The packed weights are a second copy of every projection, remade when
+a parameter's version moves (a weight update copies into the parameters in place).
 """
 
 from __future__ import annotations
@@ -153,8 +157,9 @@ def _t(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 class FusedDecode:
-    """One decode token for rows [0, B) of a KV cache by one call into `fused_step.cpp`; called
-    like `FastDecoder`. `threads`: the rows are split over this many (default: torch's)."""
+    """One decode token for rows [0, B) of a KV cache by one call into `fused_step.cpp`, called
+    like `FastDecoder`; `prefill` for whole prompts. `threads`: default torch's; `wide_below`:
+    tokens a thread under which the threads share each product rather than split the rows."""
 
     def __init__(self, model: Transformer, threads: int | None = None, wide_below: int = WIDE_BELOW) -> None:
         reason = fused_unsupported(model)
@@ -178,7 +183,7 @@ class FusedDecode:
         return [p.data_ptr() for p in self.sources] == self._pointers
 
     def _pack(self) -> None:
-        """The transposed weight copies and the per-layer pointer table."""
+        """The packed weight copies and the per-layer pointer table."""
         model, cfg = self.model, self.model.config
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below refers to
 
