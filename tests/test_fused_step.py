@@ -220,3 +220,14 @@ def test_the_fused_step_steps_aside_with_a_reason(monkeypatch):
     assert engine.decode_path.startswith("lean") and "not fused: no C++ compiler" in engine.decode_path
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
         FusedDecode(model)
+
+
+def test_a_build_that_fails_leaves_the_lean_step_and_says_why(monkeypatch, tmp_path):
+    """A cache directory that cannot be written (or a compiler that fails): the engine keeps the
+    lean step, and its decode path names the failure."""
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("MILES_KERNEL_CACHE", str(blocked / "kernels"))  # under a file: mkdir fails
+    monkeypatch.setattr(fused_step, "library", fused_step.library.__wrapped__)  # no cached build
+    engine = Engine(random_model("qwen3", seed=1), max_batch_size=2, max_seq_len=32, fused_step=True)
+    assert engine.decode_path.startswith("lean") and "not fused: its build failed" in engine.decode_path

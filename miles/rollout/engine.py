@@ -174,10 +174,14 @@ class Engine:
         if self.fused_step:
             reason = fused_unsupported(self.model)
             if reason is None:
-                self._fast = FusedDecode(self.model)
-                self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
-                self._prefill_on_onednn([])
-                return
+                try:
+                    self._fast = FusedDecode(self.model)
+                except (RuntimeError, OSError) as error:  # no writable cache, a compiler that fails
+                    reason = f"its build failed ({str(error).strip()[:300]})"
+                else:
+                    self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
+                    self._prefill_on_onednn([])
+                    return
             why_not = f"not fused: {reason}"
         if self.compile_decode:
             plain = FastDecoder(self.model)  # unpacked: the compiled step packs its own
