@@ -180,7 +180,8 @@ class Engine:
                     reason = f"its build failed ({str(error).strip()[:300]})"
                 else:
                     self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
-                    self._prefill_on_onednn([])
+                    if self.onednn_gemm or self.compile_decode:  # the fused call runs every product
+                        self.decode_path += "; --rollout-onednn and --rollout-compile unused"
                     return
             why_not = f"not fused: {reason}"
         if self.compile_decode:
