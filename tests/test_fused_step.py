@@ -148,7 +148,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(arch):
     batch = FusedDecode(model, threads=2, wide_below=0)(
         ids, positions, filled_cache(model, slots, max_len, 4)
     )
-    for threads, wide_below in ((1, 0), (2, 10**6)):  # one thread; two sharing each product
+    for threads, wide_below in ((1, 0), (2, 10**6), (8, 10**6)):  # one thread; a team sharing each product
         other = FusedDecode(model, threads=threads, wide_below=wide_below)
         got = other(ids, positions, filled_cache(model, slots, max_len, 4))
         assert torch.equal(got.logits, batch.logits)

@@ -525,9 +525,11 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
                          float *logits, int64_t *routed) {
   const int64_t threads = std::max<int64_t>(1, cfg->threads), total = starts[S];
   const bool wide = threads > 1 && (S < threads || total < cfg->wide_below * threads);
+  // a team no larger than the narrowest products' panels (hidden wide) can keep busy
+  const int64_t team = std::min(threads, std::max<int64_t>(2, panels(cfg->hidden)));
   static thread_local Scratch shared_scratch;  // the calling thread's: a wide team's shared buffers
   Tokens *all = wide ? new Tokens(*cfg, starts, slots, 0, S, shared_scratch) : nullptr;
-#pragma omp parallel num_threads(wide ? threads : std::min(threads, S))
+#pragma omp parallel num_threads(wide ? team : std::min(threads, S))
   {
     static thread_local Scratch scratch;
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
