@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miles.errors import MilesError
 from miles.rollout import Engine, Request, SamplingParams, fused_step
 from miles.rollout.fused_step import FusedDecode, fused_unsupported, library, pack_panels
 from tests.conftest import ARCHS, random_model
@@ -231,3 +232,14 @@ def test_a_build_that_fails_leaves_the_lean_step_and_says_why(monkeypatch, tmp_p
     monkeypatch.setattr(fused_step, "library", fused_step.library.__wrapped__)  # no cached build
     engine = Engine(random_model("qwen3", seed=1), max_batch_size=2, max_seq_len=32, fused_step=True)
     assert engine.decode_path.startswith("lean") and "not fused: its build failed" in engine.decode_path
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_clear_error():
+    """The C++ step reads the embedding row a token names unchecked, so the engine and the step
+    refuse an id outside the vocabulary first, naming the range."""
+    model = random_model("qwen3", seed=1)
+    engine = Engine(model, max_batch_size=2, max_seq_len=32, fused_step=True)
+    with pytest.raises(MilesError, match=r"\[0, 97\).*\[97\]"):
+        engine.add_request(Request([5, 97], SamplingParams(max_new_tokens=2)))
+    with pytest.raises(ValueError, match=r"\[0, 97\)"):
+        FusedDecode(model)(torch.tensor([3, -1]), torch.tensor([0, 0]), model.new_cache(2, 8))

@@ -226,6 +226,10 @@ class Engine:
                 f"prompt of {len(request.prompt_ids)} tokens does not fit the engine's context of "
                 f"{self.max_seq_len} (max_seq_len)"
             )
+        vocab = self.model.model.embed_tokens.weight.shape[0]
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+            raise MilesError(f"prompt token ids must lie in [0, {vocab}) for this model; got {bad[:5]}")
         if request.params.stop and self.tokenizer is None:
             raise MilesError("stop strings need the engine to have a tokenizer")
         request.uid = next(self._uids) if request.uid < 0 else request.uid
