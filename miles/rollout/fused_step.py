@@ -300,9 +300,7 @@ class FusedDecode:
             raise ValueError(
                 f"KV cache holds {cache.max_len} positions; position {int(positions.max())} asked"
             )
-        vocab = (
-            self.embed.shape[0] if self._packed_versions else self.model.model.embed_tokens.weight.shape[0]
-        )
+        vocab = self.model.model.embed_tokens.weight.shape[0]
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:  # the C++ side reads embedding rows unchecked
             raise ValueError(f"token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
         if self._packed_versions != [p._version for p in self.sources]:
