@@ -115,8 +115,12 @@ def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]], columns: bool):
     ]
     pointers = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.long) for ts in (a, b, c)]
     args = [len(work), *(t.data_ptr() for t in shapes + pointers), torch.get_num_threads(), int(columns)]
-    keep = (a, b, c, shapes, pointers)
-    return lambda: lib.miles_fused_gemm_list(*args) or keep
+
+    def run() -> tuple:
+        lib.miles_fused_gemm_list(*args)
+        return a, b, c, shapes, pointers  # alive while `run` is: the call reads their addresses
+
+    return run
 
 
 def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:

@@ -222,10 +222,9 @@ def bench(
         for r in range(repeats):  # the sides alternate, each round starting one further along:
             for side in order[r % len(order) :] + order[: r % len(order)]:  # drift and order hit all alike
                 results[side].append(sides[side]())
-        runs, theirs = results, results["transformers"]
         spread, spread_fast = results.get("many", []), results.get("many compiled", [])
-        theirs = statistics.median(theirs)
-        ours, decode_only = (statistics.median(x) for x in zip(*runs["eager"]))
+        theirs = statistics.median(results["transformers"])
+        ours, decode_only = (statistics.median(x) for x in zip(*results["eager"]))
         context = round(statistics.mean(map(len, prompts)) + statistics.mean(lengths) / 2)
         bound = decode_bound(model, batch, context, bandwidth)
         bound_tps = batch / bound.tighter_s
@@ -239,7 +238,7 @@ def bench(
         )
         print(decode_line(workload, "", decode_only, bound_tps, bw_tps), flush=True)
         for which, engine in variants.items():
-            rate, decode_rate = (statistics.median(x) for x in zip(*runs[which]))
+            rate, decode_rate = (statistics.median(x) for x in zip(*results[which]))
             print(
                 f"{'':<9} {workload:<5} with {which}: miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x | "
                 f"{rate / bound_tps:4.0%} of the bound, {rate / bw_tps:4.0%} of bandwidth ({engine[0].decode_path})",

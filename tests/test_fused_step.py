@@ -194,7 +194,7 @@ def test_an_engine_on_the_fused_step_keeps_tokens_log_probs_and_experts(arch):
 
 
 def test_a_weight_update_reaches_the_fused_step():
-    """The transposed copies are remade when a parameter's version moves: after an update the
+    """The packed copies are remade when a parameter's version moves: after an update the
     fused engine's greedy tokens are those of a general-forward engine given the same update."""
     model = random_model("qwen3_moe", seed=5)
     fused = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0, fused_step=True)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import shutil
 import time
 import types
 import weakref
@@ -64,6 +63,7 @@ from miles.rollout.fast_decode import (
     rope_tables,
     route,
 )
+from miles.rollout.fused_step import compiler
 
 log = logging.getLogger("miles")
 
@@ -123,8 +123,9 @@ def _linear(rows: int) -> Callable:
 
 
 def has_cpp_compiler() -> bool:
-    """Whether a C++ compiler is on PATH (inductor builds its CPU kernels with one)."""
-    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    """Whether a C++ compiler is on PATH (inductor builds its CPU kernels with one, as the fused
+    step does: `fused_step.compiler` looks for it)."""
+    return compiler() is not None
 
 
 def compile_unsupported(decoder: FastDecoder) -> str | None:

@@ -158,7 +158,8 @@ class Engine:
         self._params_cache: tuple[list[Request], tuple[torch.Tensor, ...]] | None = None
 
     def _fast_for_model(self) -> None:
-        """(Re)build the lean decode step for the model as it is now, or fall back to its forward."""
+        """(Re)build the decode step for the model as it is now: the fused one, the compiled one or
+        the lean one, as asked and where each can run; else the model's general forward."""
         self._prefill_mode: PackedPrefill | None = None  # the prefill's packed projections
         reason = unsupported(self.model) if self.lean_decode else "off (lean_decode=False)"
         if reason is not None:
@@ -172,17 +173,12 @@ class Engine:
             )
         why_not = None  # why an asked-for step (fused, compiled) did not run
         if self.fused_step:
-            reason = fused_unsupported(self.model)
+            reason = self._build_fused()
             if reason is None:
-                try:
-                    self._fast = FusedDecode(self.model)
-                except (RuntimeError, OSError) as error:  # no writable cache, a compiler that fails
-                    reason = f"its build failed ({str(error).strip()[:300]})"
-                else:
-                    self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
-                    if self.onednn_gemm or self.compile_decode:  # the fused call runs every product
-                        self.decode_path += "; --rollout-onednn and --rollout-compile unused"
-                    return
+                self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
+                if self.onednn_gemm or self.compile_decode:  # the fused call runs every product
+                    self.decode_path += "; --rollout-onednn and --rollout-compile unused"
+                return
             why_not = f"not fused: {reason}"
         if self.compile_decode:
             plain = FastDecoder(self.model)  # unpacked: the compiled step packs its own
@@ -207,6 +203,17 @@ class Engine:
         if why_not is not None:
             self.decode_path += f"; {why_not}"
         self._prefill_on_onednn(self._fast.packed_projections())
+
+    def _build_fused(self) -> str | None:
+        """The fused step as `self._fast`; or why it cannot run here."""
+        reason = fused_unsupported(self.model)
+        if reason is not None:
+            return reason
+        try:
+            self._fast = FusedDecode(self.model)
+        except (RuntimeError, OSError) as error:  # no writable cache, a compiler that fails
+            return f"its build failed ({str(error).strip()[:300]})"
+        return None
 
     def _prefill_on_onednn(self, shared: list) -> None:
         """With --rollout-onednn, the prefill's projections on oneDNN too (where each measures

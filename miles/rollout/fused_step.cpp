@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include <omp.h>
@@ -31,6 +32,7 @@ struct FusedConfig {
   double eps;
 };
 
+// The projections are (in, out) weights packed in column panels (gemm_range); shapes below.
 struct FusedLayer {
   const float *in_norm, *post_norm;  // (hidden)
   const float *qkv;                  // (hidden, (H + 2KV) * D): q, k, v projections side by side
@@ -39,8 +41,8 @@ struct FusedLayer {
   const float *o;                    // (H * D, hidden)
   const float *o_bias;               // (hidden) or null
   const float *router;               // (hidden, E); null: a dense MLP
-  const float *gate_up;              // MoE (E, hidden, 2I); dense (hidden, 2I): gate then up
-  const float *down;                 // MoE (E, I, hidden); dense (I, hidden)
+  const float *gate_up;              // MoE E x (hidden, 2I), one after another; dense (hidden, 2I): gate then up
+  const float *down;                 // MoE E x (I, hidden); dense (I, hidden)
   float *keys, *values;              // this layer's cache, (slots, KV, max_len, D)
   int64_t inner;                     // I: the (expert) MLP's intermediate size
   const float *shared_gate_up;       // (hidden, 2Is) or null: Qwen2-MoE's shared expert
@@ -266,8 +268,7 @@ void attend(int64_t G, int64_t D, int64_t length, const float *q, const float *K
   }
 }
 
-using Attend = void (*)(int64_t, int64_t, int64_t, const float *, const float *, const float *, float, float *,
-                        float *);
+using Attend = decltype(&attend<0>);
 
 Attend attend_for(int64_t D) {
   switch (D) {
@@ -411,10 +412,7 @@ struct Tokens {
       for (int64_t j = team.begin(n); j < team.end(n); j++)
         std::memcpy(gathered.data() + j * hid, x.data() + rows[j] * hid, hid * sizeof(float));
       team.sync();
-      team.gemm(n, hid, 2 * I, gathered.data(), L.gate_up + e * hid * 2 * I, nullptr, gu.data());
-      swiglu(team.end(n) - team.begin(n), I, gu.data() + team.begin(n) * 2 * I, act.data() + team.begin(n) * I);
-      team.sync();
-      team.gemm(n, I, hid, act.data(), L.down + e * I * hid, nullptr, proj.data());
+      mlp(team, n, gathered.data(), L.gate_up + e * hid * 2 * I, L.down + e * I * hid, I);
       for (int64_t j = team.begin(n); j < team.end(n); j++) {
         float *dst = moe.data() + rows[j] * hid;
         const float *src = proj.data() + j * hid, w = scale[j];
@@ -425,14 +423,20 @@ struct Tokens {
     }
   }
 
-  // moe += sigmoid(x . gate) * SwiGLU MLP(x), the shared expert every row goes through
-  void shared_expert(const Team &team, const FusedLayer &L) {
-    const int64_t hid = c.hidden, I = L.shared_inner, i0 = team.begin(R), i1 = team.end(R);
-    float *gate = b.gate.data();
-    team.gemm(R, hid, 2 * I, x.data(), L.shared_gate_up, nullptr, gu.data());
+  // proj[0, n) = down(silu(gate(a)) * up(a)) for rows a[0, n): a SwiGLU MLP of inner size I
+  void mlp(const Team &team, int64_t n, const float *a, const float *gate_up, const float *down, int64_t I) {
+    const int64_t hid = c.hidden, i0 = team.begin(n), i1 = team.end(n);
+    team.gemm(n, hid, 2 * I, a, gate_up, nullptr, gu.data());
     swiglu(i1 - i0, I, gu.data() + i0 * 2 * I, act.data() + i0 * I);
     team.sync();
-    team.gemm(R, I, hid, act.data(), L.shared_down, nullptr, proj.data());
+    team.gemm(n, I, hid, act.data(), down, nullptr, proj.data());
+  }
+
+  // moe += sigmoid(x . gate) * SwiGLU MLP(x), the shared expert every row goes through
+  void shared_expert(const Team &team, const FusedLayer &L) {
+    const int64_t hid = c.hidden, i0 = team.begin(R), i1 = team.end(R);
+    float *gate = b.gate.data();
+    mlp(team, R, x.data(), L.shared_gate_up, L.shared_down, L.shared_inner);
     gemm(i1 - i0, hid, 1, x.data() + i0 * hid, L.shared_gate, nullptr, gate + i0);
     for (int64_t i = i0; i < i1; i++) {
       const float g = 1.0f / (1.0f + std::exp(-gate[i]));
@@ -489,11 +493,7 @@ struct Tokens {
         if (L.shared_gate_up) shared_expert(team, L);
         pending = moe.data();
       } else {
-        const int64_t i0 = team.begin(R), i1 = team.end(R);
-        team.gemm(R, hid, 2 * L.inner, x.data(), L.gate_up, nullptr, gu.data());
-        swiglu(i1 - i0, L.inner, gu.data() + i0 * 2 * L.inner, act.data() + i0 * L.inner);
-        team.sync();
-        team.gemm(R, L.inner, hid, act.data(), L.down, nullptr, proj.data());
+        mlp(team, R, x.data(), L.gate_up, L.down, L.inner);
         pending = proj.data();
       }
     }
@@ -528,7 +528,8 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
   // a team no larger than the narrowest products' panels (hidden wide) can keep busy
   const int64_t team = std::min(threads, std::max<int64_t>(2, panels(cfg->hidden)));
   static thread_local Scratch shared_scratch;  // the calling thread's: a wide team's shared buffers
-  Tokens *all = wide ? new Tokens(*cfg, starts, slots, 0, S, shared_scratch) : nullptr;
+  std::optional<Tokens> all;  // a wide team's one share: every token
+  if (wide) all.emplace(*cfg, starts, slots, 0, S, shared_scratch);
 #pragma omp parallel num_threads(wide ? team : std::min(threads, S))
   {
     static thread_local Scratch scratch;
@@ -545,7 +546,6 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
       }
     }
   }
-  delete all;
 }
 
 }  // extern "C"

@@ -60,25 +60,23 @@ class _Config(ctypes.Structure):
     ] + [("eps", ctypes.c_double)]  # fmt: skip
 
 
-_LAYER_FIELDS = (
-    "in_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias",
-    "router", "gate_up", "down", "keys", "values",
-)  # fmt: skip
+class _Layer(ctypes.Structure):  # fused_step.cpp's FusedLayer, field for field
+    _fields_ = [
+        (name, ctypes.c_int64 if name.endswith("inner") else ctypes.c_void_p)
+        for name in (
+            "in_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "router",
+            "gate_up", "down", "keys", "values", "inner", "shared_gate_up", "shared_down", "shared_gate",
+            "shared_inner",
+        )
+    ]  # fmt: skip
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS] + [
-        ("inner", ctypes.c_int64),
-        ("shared_gate_up", ctypes.c_void_p),
-        ("shared_down", ctypes.c_void_p),
-        ("shared_gate", ctypes.c_void_p),
-        ("shared_inner", ctypes.c_int64),
-    ]
+NO_COMPILER = "no C++ compiler on PATH (g++, c++ or clang++, or set CXX)"
 
 
 def compiler() -> str | None:
-    """The C++ compiler this step would be built with ($CXX, else g++ or c++ on PATH)."""
-    for candidate in (os.environ.get("CXX"), "g++", "c++"):
+    """The C++ compiler on PATH: $CXX, else g++, c++ or clang++ (None: none)."""
+    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if candidate and shutil.which(candidate):
             return candidate
     return None
@@ -102,7 +100,7 @@ def library() -> ctypes.CDLL:
     """The compiled step, built on first use and cached on disk."""
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler on PATH (g++ or c++, or set CXX)")
+        raise RuntimeError(NO_COMPILER)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS, _cpu_key()]).encode())
     target = cache_dir() / f"fused_step-{key.hexdigest()[:16]}.so"
@@ -137,7 +135,7 @@ def fused_unsupported(model: Transformer) -> str | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return f"it runs on CPU in fp32 (the model is on {weight.device} in {weight.dtype})"
     if compiler() is None:
-        return "no C++ compiler on PATH (g++ or c++, or set CXX)"
+        return NO_COMPILER
     return None
 
 
@@ -169,12 +167,11 @@ class FusedDecode:
         self.model, cfg = model, model.config
         self.threads = threads or torch.get_num_threads()
         self.wide_below = wide_below
-        self.sources = [p for p in model.parameters()]
+        self.sources = list(model.parameters())
         self._packed_versions: list[int] | None = None
         self._pointers = [p.data_ptr() for p in self.sources]
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
-        self.bytes = 0
         self._one_each: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def intact(self) -> bool:
@@ -236,7 +233,6 @@ class FusedDecode:
         self.final_norm = model.model.norm.weight.detach()
         self.inv_freq = model.inv_freq.detach().float().contiguous()
         self.lm_head = _t([model.lm_head.weight])
-        self.bytes = sum(t.numel() * t.element_size() for t in self.keep) + self.lm_head.numel() * 4
         self.config = _Config(
             hidden=cfg.hidden_size,
             heads=cfg.num_attention_heads,
