@@ -5,11 +5,9 @@
   256 MB sum (a read alone, which is what a decode step does to its weights);
 - GEMM bound: the step's matrix multiplies alone (q/k/v and gate/up fused, experts on a balanced
   share of the rows), run back to back over the model's own weights, so cache misses count; the
-  fastest of plain `F.linear`, MKL's packed GEMM, oneDNN's linear on packed weights (weights
-  packed beforehand, not timed), at a few rows the compiled step's multiply-and-sum form
-  (compiled beforehand, not timed) and the fused step's own register-blocked GEMM (all of the
-  step's products in one C++ call, each one's rows or its weight panels split over the threads,
-  the two ways the step splits them: the step's products with no per-call cost at all).
+  faster of plain `F.linear` and the fused step's own register-blocked GEMM (all of the step's
+  products in one C++ call, each one's rows or its weight panels split over the threads, the two
+  ways the step splits them: the step's products with no per-call cost at all).
 
 The tighter bound is the larger of the two times. Used by rollout_throughput.py and
 decode_profile.py.
@@ -25,9 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.transformer import MoE, Transformer
-from miles.rollout import fused_step
-from miles.rollout.compiled_decode import GEMV_ROWS, _linear, has_cpp_compiler
-from miles.rollout.fast_decode import mkl_packing_works, onednn_works, pack_mkl, pack_onednn
+from miles.rollout.steps import fused as fused_step
 
 
 def _best_seconds(fn, tries: int = 5) -> float:
@@ -124,28 +120,13 @@ def _fused_gemms(work: list[tuple[torch.Tensor, torch.Tensor]], columns: bool):
 
 
 def gemm_seconds(model: Transformer, batch: int, repeats: int = 7) -> float:
-    """Median time of one decode step's GEMMs alone, back to back: plain F.linear, MKL-packed,
-    oneDNN-packed, (at up to GEMV_ROWS rows) the compiled step's multiply-and-sum form or the
-    fused step's GEMM, the fastest."""
+    """Median time of one decode step's GEMMs alone, back to back: plain F.linear or the fused
+    step's GEMM (rows or panels split), the fastest."""
     work = _step_gemms(model, batch)
     runs = {"plain": [lambda x=x, w=w: F.linear(x, w) for x, w in work]}
-    cpu = torch.device("cpu"), torch.float32
-    packers = {"MKL-packed": (pack_mkl, batch > 1 and mkl_packing_works(*cpu))}
-    packers["oneDNN"] = (pack_onednn, onednn_works(*cpu))
-    for name, (pack, works) in packers.items():  # weights packed for each GEMM's rows, not timed
-        if works:
-            calls = [pack(w.detach(), x.shape[0])[0] for x, w in work]
-            runs[name] = [lambda x=x, call=call: call(x) for (x, _), call in zip(work, calls)]
     if fused_step.compiler() is not None:
         runs["fused step's GEMM, rows split"] = [_fused_gemms(work, columns=False)]
         runs["fused step's GEMM, panels split"] = [_fused_gemms(work, columns=True)]
-    if batch <= GEMV_ROWS and has_cpp_compiler():
-        # the compiled step's own few-row form (a multiply and a sum, one graph for all of them):
-        # faster than MKL's GEMV on some CPUs, so the bound has to count it
-        products = torch.compile(lambda pairs: [_linear(batch)(x, w) for x, w in pairs])
-        with torch.no_grad():
-            products(work)  # compiles, not timed
-        runs["compiled multiply-sum"] = [lambda: products(work)]
     best = float("inf")
     with torch.no_grad():
         for calls in runs.values():

@@ -1,8 +1,8 @@
 """Where one decode step of the rollout engine goes: per operator (torch.profiler, self CPU
 time) and Python/dispatch vs kernel time, for the tiny MoE at batch 64 and SmolLM2-135M at batch
-1 and 16. The first part of issue #18: measured before anything is changed.
+1 and 16.
 
-    .venv/bin/python benchmarks/decode_profile.py [--only tiny|smollm2] [--steps 32] [--path general]
+    .venv/bin/python benchmarks/decode_profile.py [--only tiny|smollm2] [--steps 32] [--step general]
 
 "dispatch" is wall time minus the summed self time of the operators (Python, the engine's own
 bookkeeping, the module tree); "bound" is the time to read the weights and KV cache once at the
@@ -21,17 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 from miles.models import registry
 from miles.rollout import Engine, Request, SamplingParams
 
-PATHS = {  # --path: which decode step the engine runs
-    "general": dict(lean_decode=False),
-    "lean": dict(packed_gemm=False),
-    "packed": dict(),
-    "compiled": dict(compile_decode=True),
-}
-
 
 def decode_engine(spec: str, batch: int, path: str, prompt_len: int = 16):
     model, tokenizer = registry.load(spec)
-    engine = Engine(model.eval(), tokenizer, batch, max_seq_len=prompt_len + 200, seed=0, **PATHS[path])
+    engine = Engine(model.eval(), tokenizer, batch, max_seq_len=prompt_len + 200, seed=0, decode_step=path)
     params = SamplingParams(temperature=1.0, max_new_tokens=10_000, ignore_eos=True)
     for i in range(batch):
         engine.add_request(Request([(7 * i + j) % 200 + 10 for j in range(prompt_len)], params))
@@ -75,7 +68,9 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=["tiny", "smollm2"])
     parser.add_argument("--steps", type=int, default=32, help="decode steps measured per case")
-    parser.add_argument("--path", choices=list(PATHS), default="packed", help="the engine's decode step")
+    parser.add_argument(
+        "--step", choices=["auto", "fused", "general"], default="auto", help="the engine's decode step"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth = memory_bandwidth()[0]
@@ -83,7 +78,7 @@ def main() -> None:
     cases = [("tiny", 64), ("smollm2", 1), ("smollm2", 16)]
     for spec, batch in cases:
         if args.only in (None, spec):
-            profile_decode(spec, batch, args.steps, bandwidth, args.path)
+            profile_decode(spec, batch, args.steps, bandwidth, args.step)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ and against the machine's own limit for a decode step (`decode_bound.py`).
     .venv/bin/python benchmarks/rollout_throughput.py            # tiny MoE @64, SmolLM2 @16 and @1
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny
     .venv/bin/python benchmarks/rollout_throughput.py --only tiny --engines 2   # also 2 Ray engines
-    .venv/bin/python benchmarks/rollout_throughput.py --compile --onednn   # also those engine flags
-    .venv/bin/python benchmarks/rollout_throughput.py --fused              # also --rollout-fused-step
+    .venv/bin/python benchmarks/rollout_throughput.py --general            # also the general forward
 
 Both sides get the same model weights, the same prompts and temperature-1 sampling, and
-produce the same number of tokens. Each cell is the median of --repeats runs (default 3), the sides
-(miles, miles with each asked flag, transformers) alternating, each round starting one side
-further along (on this VM a side's place in the round moved it by up to ~20%). Two workloads:
+produce the same number of tokens. miles runs its default decode step (`--rollout-decode-step
+auto`: the fused step on CPU). Each cell is the median of --repeats runs (default 3), the sides
+(miles, miles with each asked step, transformers) alternating, each round starting one side
+further along (a side's place in the round can move it by up to ~20%). Two workloads:
 
 - fixed: every prompt gets the same number of new tokens (EOS ignored): raw decoding speed.
 - mixed (RL-like): 4 batches' worth of prompts whose responses end at different lengths (drawn
@@ -84,32 +84,16 @@ def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
     return sum(lengths) / (time.perf_counter() - start)
 
 
-def miles_engine(
-    model,
-    tokenizer,
-    prompts,
-    lengths: list[int],
-    batch: int,
-    compile_decode: bool = False,
-    onednn: bool = False,
-    fused: bool = False,
-):
-    """An engine for the workload and its requests; a compiled one has compiled its step (on a
-    first run of the workload, not timed: the time is printed). `onednn`: --rollout-onednn;
-    `fused`: --rollout-fused-step (built before the timing starts)."""
+def miles_engine(model, tokenizer, prompts, lengths: list[int], batch: int, step: str = "auto"):
+    """An engine for the workload (its decode step built before any timing) and its requests."""
     engine = Engine(
         model, tokenizer, max_batch_size=batch, max_seq_len=max(map(len, prompts)) + max(lengths) + 1,
-        compile_decode=compile_decode, onednn_gemm=onednn, fused_step=fused,
+        decode_step=step,
     )  # fmt: skip
     requests = [
         Request(p, SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True))
         for p, n in zip(prompts, lengths)
     ]
-    if compile_decode:
-        engine.generate(copy.deepcopy(requests))
-        print(
-            f"  (compiled decode: {engine._fast.compile_seconds:.1f} s of compilation, not timed)", flush=True
-        )
     return engine, requests
 
 
@@ -133,19 +117,17 @@ def run_miles(engine: Engine, requests: list[Request]) -> tuple[float, float]:
     return rate, engine.take_times().decode_tokens_per_second
 
 
-def ray_engines(spec: str, engines: int, batch: int, max_seq_len: int, compile_decode: bool = False):
+def ray_engines(spec: str, engines: int, batch: int, max_seq_len: int):
     """`engines` Ray engine actors of one thread each (the multi-engine rollout's shape), sharing
-    `batch` slots, compiled steps if asked; a local Ray of `engines` CPUs is started for them."""
+    `batch` slots; a local Ray of `engines` CPUs is started for them."""
     import ray
 
-    from miles.config import load_config
     from miles.runtime.ray_rollout import RolloutManager
 
     if not ray.is_initialized():
         ray.init(num_cpus=engines, include_dashboard=False, log_to_driver=False)
-    run_cfg = load_config(["--rollout-compile"]) if compile_decode else None  # what a run would pass
     manager = RolloutManager(
-        spec, num_engines=engines, max_batch_size=batch // engines, max_seq_len=max_seq_len, run_cfg=run_cfg
+        spec, num_engines=engines, max_batch_size=batch // engines, max_seq_len=max_seq_len
     )
     warm = [Request([1 + i, 2, 3], SamplingParams(max_new_tokens=2)) for i in range(2 * engines)]
     manager.generate(warm)  # every actor is up and has run a step
@@ -168,10 +150,8 @@ def bench(
     repeats: int,
     bandwidth: float,
     mixed=True,
-    compiled=False,
     engines=0,
-    onednn=False,
-    fused=False,
+    general=False,
 ) -> list:
     with contextlib.redirect_stderr(io.StringIO()):
         model, tokenizer = registry.load(spec)
@@ -189,42 +169,26 @@ def bench(
     rows = []
     longest = max(len(p) for p, _ in zip(*workloads["mixed" if mixed else "fixed"])) + 2 * new_tokens + 1
     many = ray_engines(spec, engines, batch, longest) if engines else None
-    many_fast = (
-        ray_engines(spec, engines, batch, longest, compile_decode=True) if engines and compiled else None
-    )
     for workload, (prompts, lengths) in workloads.items():
-        eager = miles_engine(model, tokenizer, prompts, lengths, batch)
-        variants = {}  # the engine's other decode paths, each alternating with the rest
-        if onednn:
-            variants["--rollout-onednn"] = miles_engine(
-                model, tokenizer, prompts, lengths, batch, onednn=True
+        default = miles_engine(model, tokenizer, prompts, lengths, batch)
+        variants = {}  # other decode steps, each alternating with the rest
+        if general:
+            variants["--rollout-decode-step general"] = miles_engine(
+                model, tokenizer, prompts, lengths, batch, step="general"
             )
-        if fused:
-            variants["--rollout-fused-step"] = miles_engine(
-                model, tokenizer, prompts, lengths, batch, fused=True
-            )
-        if compiled:
-            flags = "--rollout-compile" + (" --rollout-onednn" if onednn else "")
-            variants[flags] = miles_engine(
-                model, tokenizer, prompts, lengths, batch, compile_decode=True, onednn=onednn
-            )
-        if many_fast is not None:  # each engine compiles its step for this workload's lengths, untimed
-            many_fast.generate(copy.deepcopy(eager[1]))
-        sides = {"eager": functools.partial(run_miles, *eager)}
+        sides = {"miles": functools.partial(run_miles, *default)}
         sides.update({which: functools.partial(run_miles, *engine) for which, engine in variants.items()})
         if many is not None:
-            sides["many"] = functools.partial(tokens_per_second, many.generate, eager[1])
-        if many_fast is not None:
-            sides["many compiled"] = functools.partial(tokens_per_second, many_fast.generate, eager[1])
+            sides["many"] = functools.partial(tokens_per_second, many.generate, default[1])
         sides["transformers"] = functools.partial(run_hf, hf, tokenizer, prompts, lengths, batch)
         results: dict[str, list] = {side: [] for side in sides}
         order = list(sides)
         for r in range(repeats):  # the sides alternate, each round starting one further along:
             for side in order[r % len(order) :] + order[: r % len(order)]:  # drift and order hit all alike
                 results[side].append(sides[side]())
-        spread, spread_fast = results.get("many", []), results.get("many compiled", [])
+        spread = results.get("many", [])
         theirs = statistics.median(results["transformers"])
-        ours, decode_only = (statistics.median(x) for x in zip(*results["eager"]))
+        ours, decode_only = (statistics.median(x) for x in zip(*results["miles"]))
         context = round(statistics.mean(map(len, prompts)) + statistics.mean(lengths) / 2)
         bound = decode_bound(model, batch, context, bandwidth)
         bound_tps = batch / bound.tighter_s
@@ -233,7 +197,7 @@ def bench(
             f"{name:<9} {workload:<5} batch {batch:>3}, {len(prompts):>3} prompts, {sum(lengths):>6} tokens: "
             f"miles {ours:7.0f} tok/s | transformers generate {theirs:7.0f} tok/s | ratio {ours / theirs:5.2f}x | "
             f"bound {bound_tps:7.0f} tok/s ({bound.which}; bandwidth {bw_tps:.0f}) | "
-            f"{ours / bound_tps:4.0%} of the bound, {ours / bw_tps:4.0%} of bandwidth",
+            f"{ours / bound_tps:4.0%} of the bound, {ours / bw_tps:4.0%} of bandwidth ({default[0].decode_path})",
             flush=True,
         )
         print(decode_line(workload, "", decode_only, bound_tps, bw_tps), flush=True)
@@ -245,18 +209,16 @@ def bench(
                 flush=True,
             )
             print(decode_line(workload, f" {which}", decode_rate, bound_tps, bw_tps), flush=True)
-        for runs_, which in ((spread, ""), (spread_fast, ", compiled")):
-            if runs_:
-                rate = statistics.median(runs_)
-                print(
-                    f"{'':<9} {workload:<5} {engines} Ray engines, 1 thread and {batch // engines} slots each{which}: "
-                    f"miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x",
-                    flush=True,
-                )
+        if spread:
+            rate = statistics.median(spread)
+            print(
+                f"{'':<9} {workload:<5} {engines} Ray engines, 1 thread and {batch // engines} slots each: "
+                f"miles {rate:7.0f} tok/s | ratio {rate / theirs:5.2f}x",
+                flush=True,
+            )
         rows.append((name, workload, batch, ours, theirs))
-    for manager in (many, many_fast):
-        if manager is not None:
-            manager.shutdown()
+    if many is not None:
+        many.shutdown()
     return rows
 
 
@@ -270,9 +232,9 @@ def main() -> None:
         help="one model (or one SmolLM2 batch) only",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per side and cell (median)")
-    parser.add_argument("--compile", action="store_true", help="also run the engine with --rollout-compile")
-    parser.add_argument("--onednn", action="store_true", help="also run the engine with --rollout-onednn")
-    parser.add_argument("--fused", action="store_true", help="also run the engine with --rollout-fused-step")
+    parser.add_argument(
+        "--general", action="store_true", help="also run the engine with --rollout-decode-step general"
+    )
     parser.add_argument(
         "--engines",
         type=int,
@@ -295,15 +257,13 @@ def main() -> None:
             new_tokens=64,
             repeats=args.repeats,
             bandwidth=bandwidth,
-            compiled=args.compile,
-            onednn=args.onednn,
             engines=args.engines,
-            fused=args.fused,
+            general=args.general,
         )
     if args.only in (None, "smollm2", "smollm2-16"):
         bench(
             "SmolLM2", "smollm2", batch=16, new_tokens=32, repeats=args.repeats, bandwidth=bandwidth,
-            compiled=args.compile, onednn=args.onednn, engines=args.engines, fused=args.fused,
+            engines=args.engines, general=args.general,
         )  # fmt: skip
     if args.only in (None, "smollm2", "smollm2-1"):
         bench(
@@ -314,9 +274,7 @@ def main() -> None:
             repeats=args.repeats,
             bandwidth=bandwidth,
             mixed=False,
-            compiled=args.compile,
-            onednn=args.onednn,
-            fused=args.fused,
+            general=args.general,
         )
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from miles.config.loader import add_field_flags
 from miles.errors import MilesError
 
 DEFAULT_JOB = Path(__file__).resolve().parent / "assets" / "default_train.yaml"
@@ -26,14 +27,28 @@ def number(kind: type, low: float, low_open: bool = False):
     return parse
 
 
-def add_fused_step_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--fused-step",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="CPU, fp32: each decode step and prefill as one C++ call (as miles train's --rollout-fused-step; "
-        "steps aside by itself where it cannot run); --no-fused-step: the lean step",
-    )
+# spellings `miles generate` and `miles serve` took before they shared miles train's flags
+RETIRED_FLAGS = {
+    "--fused-step": "--rollout-decode-step fused (or auto, the default)",
+    "--no-fused-step": "--rollout-decode-step general",
+    "--seed": "--rollout-seed (the engine's sampling seed, as in miles train)",
+}
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse a sub-command's flags; a retired spelling is refused naming its replacement."""
+    for token in argv if argv[:1] in (["generate"], ["serve"]) else []:
+        flag = token.split("=", 1)[0]
+        if flag in RETIRED_FLAGS:
+            raise MilesError(f"{flag} is no longer a flag: use {RETIRED_FLAGS[flag]}")
+    return parser.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace, **values):
+    """The validated run configuration of a serve/generate command's shared flags."""
+    from miles.config.loader import field_values, make_config
+
+    return make_config({**field_values(args), **values})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -41,13 +56,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from miles.models.tokenizer import encode_prompt
     from miles.rollout import Engine, Request, SamplingParams
 
-    model, tokenizer = registry.load(args.model)
+    cfg = engine_config(args)
+    rollout = cfg.rollout
+    model, tokenizer = registry.load(cfg.model.model)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
+    new_tokens = rollout.rollout_max_response_len
     engine = Engine(
-        model, tokenizer, max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens + 1,
-        fused_step=args.fused_step,
-    )  # fmt: skip
-    params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        model,
+        tokenizer,
+        max_batch_size=1,
+        max_seq_len=len(prompt_ids) + new_tokens + 1,
+        **rollout.decode_options(),
+    )
+    params = SamplingParams(
+        temperature=rollout.rollout_temperature, max_new_tokens=new_tokens, seed=rollout.rollout_seed
+    )
     sample = engine.generate([Request(list(prompt_ids), params)])[0]
     print(sample.response if args.chat else args.prompt + sample.response)
     return 0
@@ -57,37 +80,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import time
 
     from miles.models import registry
+    from miles.rollout.drafts import speculator_for
     from miles.rollout.engine import Engine
     from miles.rollout.server import EngineServer
 
-    model, tokenizer = registry.load(args.model)
+    cfg = engine_config(args, spec_max_batch_size=args.rollout_max_batch_size)
+    model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
         print(f"miles serve: --max-seq-len {args.max_seq_len} is beyond the model's context; using {context}")
-    from types import SimpleNamespace
-
-    from miles.rollout.drafts import speculator_for
-
     max_seq_len = min(args.max_seq_len, context)
-    spec = SimpleNamespace(
-        draft_model=args.draft_model,
-        draft_layers=args.draft_layers,
-        spec_lookahead=args.spec_lookahead,
-        spec_max_batch_size=args.max_batch_size,
-        spec_adaptive=True,
-    )
+    slots = cfg.rollout.rollout_max_batch_size
     engine = Engine(
         model,
         tokenizer,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=slots,
         max_seq_len=max_seq_len,
-        seed=args.seed,
-        speculator=speculator_for(spec, model, args.max_batch_size, max_seq_len),
-        fused_step=args.fused_step,
+        seed=cfg.rollout.rollout_seed,
+        speculator=speculator_for(cfg.speculative, model, slots, max_seq_len),
+        **cfg.rollout.decode_options(),
     )
-    server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model).start()
+    server = EngineServer(engine, host=args.host, port=args.port, model_path=cfg.model.model).start()
     print(
-        f"miles serve: {args.model} on {server.url} (POST /generate, GET /health); Ctrl-C stops", flush=True
+        f"miles serve: {cfg.model.model} on {server.url} (POST /generate, GET /health); Ctrl-C stops",
+        flush=True,
     )
     try:
         while True:
@@ -195,26 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue a prompt with the rollout engine",
         description="Print the continuation of --prompt by --model (greedy unless --temperature > 0).",
     )
-    gen.add_argument(
-        "--model",
-        default="tiny",
-        help="Hugging Face checkpoint directory, .gguf file, or a name: tiny, tiny-random, smollm2 (default: tiny)",
-    )
     gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument(
-        "--max-new-tokens",
-        type=number(int, 1),
-        default=32,
-        help="stop after this many new tokens (default: 32)",
-    )
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn"
     )
-    gen.add_argument(
-        "--temperature", type=number(float, 0), default=0.0, help="0 = greedy (default); > 0 samples"
+    add_field_flags(
+        gen,
+        ["model", "rollout_max_response_len", "rollout_temperature", "rollout_seed", "rollout_decode_step"],
+        rollout_max_response_len=32,
+        rollout_temperature=0.0,
     )
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
-    add_fused_step_flag(gen)
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser(
@@ -225,33 +231,21 @@ def build_parser() -> argparse.ArgumentParser:
         "POST /update_weights_from_disk. See docs/rollout.md.",
     )
     serve.add_argument(
-        "--model", default="tiny", help="checkpoint directory, .gguf file, or tiny / tiny-random / smollm2"
-    )
-    serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
     serve.add_argument("--port", type=number(int, 0), default=30000, help="port (default 30000, SGLang's)")
-    serve.add_argument(
-        "--max-batch-size", type=number(int, 1), default=64, help="requests decoded together (KV-cache slots)"
-    )
     serve.add_argument(
         "--max-seq-len",
         type=number(int, 2),
         default=2048,
         help="prompt + response tokens per request (at most the model's context; capped there)",
     )
-    serve.add_argument("--seed", type=int, default=0, help="engine seed; a request's own seed overrides it")
-    serve.add_argument(
-        "--draft-model",
-        default=None,
-        help="speculative decoding: auto (the model's first --draft-layers blocks) | ngram | a checkpoint path; "
-        "responses keep the model's own distribution and log-probs (docs/speculative.md)",
+    add_field_flags(
+        serve,
+        ["model", "rollout_max_batch_size", "rollout_seed", "rollout_decode_step"]
+        + ["draft_model", "draft_layers", "spec_lookahead"],
+        rollout_max_batch_size=64,
     )
-    serve.add_argument(
-        "--draft-layers", type=number(int, 1), default=1, help="with --draft-model auto: blocks kept"
-    )
-    serve.add_argument("--spec-lookahead", type=number(int, 1), default=5, help="draft tokens per model pass")
-    add_fused_step_flag(serve)
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser(
@@ -332,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         except MilesError as e:
             print(f"miles train: error: {e}", file=sys.stderr)
             return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parse_command(parser, argv)
+    except MilesError as e:
+        print(f"miles {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 0

@@ -44,3 +44,41 @@ def test_train_flags_without_a_job_change_the_embedded_default(tmp_path, capsys)
     default = yaml.safe_load(DEFAULT_JOB.read_text())
     assert used["data"]["task"] == default["data"]["task"] == "basic_arithmetic"
     assert used["rollout"]["num_rollout"] == 1 and used["rollout"]["rollout_batch_size"] == 2
+
+
+def test_retired_decode_flags_are_refused_naming_their_replacement(capsys):
+    """The decode-step flags of earlier versions (train's, and generate/serve's own spellings)
+    are refused before any work, each naming the flag that replaced it."""
+    cases = [
+        (["train", "--no-rollout-fused-step"], "--rollout-decode-step"),
+        (["train", "--rollout-compile"], "--rollout-decode-step"),
+        (["generate", "--prompt", "x", "--fused-step"], "--rollout-decode-step fused"),
+        (["serve", "--seed", "3"], "--rollout-seed"),
+    ]
+    for argv, replacement in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{argv[-1] if argv[-1].startswith('--') else argv[-2]} is no longer a flag" in err
+        assert replacement in err and "Traceback" not in err
+
+
+def test_serve_and_generate_spell_shared_options_as_train_does():
+    """An option the commands share has one set of spellings and one help text: generate's and
+    serve's flags for a config field are train's."""
+    import argparse
+
+    from miles.cli import build_parser
+    from miles.config import build_train_parser
+
+    def options(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ...], str]]:
+        return {a.dest: (tuple(a.option_strings), a.help.split(" (default")[0]) for a in parser._actions}
+
+    train = options(build_train_parser())
+    commands = build_parser()._subparsers._group_actions[0].choices
+    shared = 0
+    for name in ("generate", "serve"):
+        for dest, (flags, help_text) in options(commands[name]).items():
+            if dest in train:
+                shared += 1
+                assert (flags, help_text) == train[dest], (name, dest)
+    assert shared >= 8

@@ -1,7 +1,7 @@
-"""The fused C++ decode step (miles/rollout/fused_step.py) against the model's general forward:
-its GEMM and exponential against exact arithmetic, one step's logits, cache writes and experts
-for every architecture, an engine's tokens and log-probs, a weight update, and where it steps
-aside."""
+"""The decode steps (miles/rollout/steps): the fused C++ step against the model's general
+forward (its GEMM and exponential against exact arithmetic, one step's logits, cache writes and
+experts for every architecture, an engine's tokens and log-probs, a weight update), and which
+step `auto` chooses where, with its reason."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles.errors import MilesError
-from miles.rollout import Engine, Request, SamplingParams, fused_step
-from miles.rollout.fused_step import FusedDecode, fused_unsupported, library, pack_panels
+from miles.models.routing import RoutingOptions, apply_routing
+from miles.rollout import Engine, Request, SamplingParams
+from miles.rollout.steps import fused as fused_step
+from miles.rollout.steps.fused import FusedStep, fused_unsupported, library, pack_panels
 from tests.conftest import ARCHS, random_model
 
 pytestmark = pytest.mark.skipif(fused_step.compiler() is None, reason="needs a C++ compiler")
@@ -96,7 +98,9 @@ def test_one_step_equals_the_general_forward(arch, split):
     want_cache, got_cache = filled_cache(model, slots, max_len, 0), filled_cache(model, slots, max_len, 0)
     with torch.no_grad():
         want = model(ids[:, None], positions=positions[:, None], cache=want_cache, cache_rows=slice(0, slots))
-    got = FusedDecode(model, threads=2, wide_below=SPLITS[split])(ids, positions, got_cache)
+    got = FusedStep(model, threads=2, wide_below=SPLITS[split]).decode(
+        ids[:, None], positions[:, None], got_cache
+    )
     assert got.logits.shape == want.logits.shape
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
@@ -126,7 +130,7 @@ def test_a_prefill_equals_the_general_forwards(arch, split):
             ids, positions=torch.arange(T).expand(4, T), cache=want_cache, cache_rows=rows,
             logits_at=lengths - 1, token_mask=real,
         )  # fmt: skip
-    got = FusedDecode(model, threads=2, wide_below=SPLITS[split]).prefill(ids, lengths, rows, got_cache)
+    got = FusedStep(model, threads=2, wide_below=SPLITS[split]).prefill(ids, lengths, rows, got_cache)
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
         for slot, n in zip(rows, lengths):
@@ -146,16 +150,16 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(arch):
     slots, max_len = 7, 24
     ids = torch.randint(0, model.config.vocab_size, (slots,), generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([3, 9, 0, 17, 5, 12, 20])
-    batch = FusedDecode(model, threads=2, wide_below=0)(
-        ids, positions, filled_cache(model, slots, max_len, 4)
+    batch = FusedStep(model, threads=2, wide_below=0).decode(
+        ids[:, None], positions[:, None], filled_cache(model, slots, max_len, 4)
     )
     for threads, wide_below in ((1, 0), (2, 10**6), (8, 10**6)):  # one thread; a team sharing each product
-        other = FusedDecode(model, threads=threads, wide_below=wide_below)
-        got = other(ids, positions, filled_cache(model, slots, max_len, 4))
+        other = FusedStep(model, threads=threads, wide_below=wide_below)
+        got = other.decode(ids[:, None], positions[:, None], filled_cache(model, slots, max_len, 4))
         assert torch.equal(got.logits, batch.logits)
     alone_cache = filled_cache(model, slots, max_len, 4)
     for row in (0, 3, 6):  # row b alone, in cache slot b
-        one = FusedDecode(model).forward(
+        one = FusedStep(model).forward(
             ids[row : row + 1],
             positions[row : row + 1],
             torch.tensor([0, 1]),
@@ -178,13 +182,14 @@ def requests(n: int) -> list[Request]:
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
 def test_an_engine_on_the_fused_step_keeps_tokens_log_probs_and_experts(arch):
-    """--rollout-fused-step through the engine (refills, free slots, rows ending at different
+    """The default step on CPU through the engine (refills, free slots, rows ending at different
     lengths, two threads): the tokens and experts of the general forward, log-probs within fp32
     rounding."""
     model = random_model(arch, seed=3)
-    fused = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0, fused_step=True)
-    general = Engine(model, max_batch_size=6, max_seq_len=64, seed=0, lean_decode=False)
-    assert fused.decode_path.startswith("fused") and isinstance(fused._fast, FusedDecode)
+    fused = Engine(copy.deepcopy(model), max_batch_size=6, max_seq_len=64, seed=0)
+    general = Engine(model, max_batch_size=6, max_seq_len=64, seed=0, decode_step="general")
+    assert fused.decode_step.name == "fused" and fused.decode_path.startswith("fused")
+    assert general.decode_step.name == "general"
     got, want = fused.generate(requests(9)), general.generate(requests(9))
     for a, b in zip(got, want):
         assert a.tokens == b.tokens
@@ -194,11 +199,12 @@ def test_an_engine_on_the_fused_step_keeps_tokens_log_probs_and_experts(arch):
 
 
 def test_a_weight_update_reaches_the_fused_step():
-    """The packed copies are remade when a parameter's version moves: after an update the
-    fused engine's greedy tokens are those of a general-forward engine given the same update."""
+    """The packed copies are remade when a parameter's version moves, whether the engine's
+    update wrote it or something wrote it behind the engine's back: the fused engine's greedy
+    tokens are then those of a general-forward engine given the same change."""
     model = random_model("qwen3_moe", seed=5)
-    fused = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0, fused_step=True)
-    general = Engine(model, max_batch_size=4, max_seq_len=64, seed=0, lean_decode=False)
+    fused = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0)
+    general = Engine(model, max_batch_size=4, max_seq_len=64, seed=0, decode_step="general")
     greedy = [Request([5 + i, 6, 7], SamplingParams(temperature=0, max_new_tokens=8)) for i in range(4)]
     before = fused.generate(copy.deepcopy(greedy))
     gen = torch.Generator().manual_seed(1)
@@ -210,36 +216,53 @@ def test_a_weight_update_reaches_the_fused_step():
     after, want = fused.generate(copy.deepcopy(greedy)), general.generate(copy.deepcopy(greedy))
     assert [s.tokens for s in after] != [s.tokens for s in before]
     assert [s.tokens for s in after] == [s.tokens for s in want]
+    with torch.no_grad():  # behind the engines' backs
+        for engine in (fused, general):
+            for p in engine.model.model.layers[0].self_attn.k_proj.parameters():
+                p.mul_(-1.5)
+    behind, want = fused.generate(copy.deepcopy(greedy)), general.generate(copy.deepcopy(greedy))
+    assert [s.tokens for s in behind] != [s.tokens for s in after]
+    assert [s.tokens for s in behind] == [s.tokens for s in want]
 
 
-def test_the_fused_step_steps_aside_with_a_reason(monkeypatch):
-    """Where it cannot run, the engine says why in its decode path and keeps the lean step."""
+def test_auto_steps_aside_with_a_reason_and_fused_asked_for_is_refused(monkeypatch):
+    """Where the fused step cannot run, `auto` takes the general forward and says why; asking for
+    `fused` there is an error naming the flag and the reason."""
+    capacity = random_model("qwen3_moe", seed=1)
+    apply_routing(capacity, RoutingOptions(capacity_factor=1.0))
+    deterministic = random_model("llama", seed=1)
+    apply_routing(deterministic, RoutingOptions(deterministic=True))
+    for model, why in ((capacity, "capacity"), (deterministic, "batch-invariant")):
+        engine = Engine(model, max_batch_size=2, max_seq_len=32)
+        assert engine.decode_step.name == "general" and why in engine.decode_path
+        with pytest.raises(MilesError, match=f"--rollout-decode-step fused cannot run.*{why}"):
+            Engine(model, max_batch_size=2, max_seq_len=32, decode_step="fused")
     model = random_model("qwen3", seed=1)
     monkeypatch.setattr(fused_step, "compiler", lambda: None)
     assert "C++ compiler" in fused_unsupported(model)
-    engine = Engine(model, max_batch_size=2, max_seq_len=32, fused_step=True)
-    assert engine.decode_path.startswith("lean") and "not fused: no C++ compiler" in engine.decode_path
+    engine = Engine(model, max_batch_size=2, max_seq_len=32)
+    assert engine.decode_step.name == "general" and "no C++ compiler" in engine.decode_path
     with pytest.raises(ValueError, match="C\\+\\+ compiler"):
-        FusedDecode(model)
+        FusedStep(model)
 
 
-def test_a_build_that_fails_leaves_the_lean_step_and_says_why(monkeypatch, tmp_path):
-    """A cache directory that cannot be written (or a compiler that fails): the engine keeps the
-    lean step, and its decode path names the failure."""
+def test_a_build_that_fails_leaves_the_general_forward_and_says_why(monkeypatch, tmp_path):
+    """A cache directory that cannot be written (or a compiler that fails): the engine takes the
+    general forward, and its decode path names the failure."""
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setenv("MILES_KERNEL_CACHE", str(blocked / "kernels"))  # under a file: mkdir fails
     monkeypatch.setattr(fused_step, "library", fused_step.library.__wrapped__)  # no cached build
-    engine = Engine(random_model("qwen3", seed=1), max_batch_size=2, max_seq_len=32, fused_step=True)
-    assert engine.decode_path.startswith("lean") and "not fused: its build failed" in engine.decode_path
+    engine = Engine(random_model("qwen3", seed=1), max_batch_size=2, max_seq_len=32)
+    assert engine.decode_step.name == "general" and "its build failed" in engine.decode_path
 
 
 def test_a_token_id_outside_the_vocabulary_is_a_clear_error():
     """The C++ step reads the embedding row a token names unchecked, so the engine and the step
     refuse an id outside the vocabulary first, naming the range."""
     model = random_model("qwen3", seed=1)
-    engine = Engine(model, max_batch_size=2, max_seq_len=32, fused_step=True)
+    engine = Engine(model, max_batch_size=2, max_seq_len=32)
     with pytest.raises(MilesError, match=r"\[0, 97\).*\[97\]"):
         engine.add_request(Request([5, 97], SamplingParams(max_new_tokens=2)))
     with pytest.raises(ValueError, match=r"\[0, 97\)"):
-        FusedDecode(model)(torch.tensor([3, -1]), torch.tensor([0, 0]), model.new_cache(2, 8))
+        FusedStep(model).decode(torch.tensor([[3], [-1]]), torch.tensor([[0], [0]]), model.new_cache(2, 8))

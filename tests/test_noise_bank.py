@@ -66,8 +66,17 @@ def test_engine_tokens_and_logprobs_do_not_change_with_the_bank():
     ]
     ahead = Engine(copy.deepcopy(model), max_batch_size=5, max_seq_len=64, seed=1)
     as_needed = Engine(model, max_batch_size=5, max_seq_len=64, seed=1)
-    assert ahead._noise is not None and ahead._noise.rows > 1
-    as_needed._noise = None
+    assert ahead.sampler.noise is not None and ahead.sampler.noise.rows > 1
+    as_needed.sampler.noise = None
     got, want = ahead.generate(copy.deepcopy(requests)), as_needed.generate(copy.deepcopy(requests))
     assert [s.tokens for s in got] == [s.tokens for s in want]
     assert [s.rollout_log_probs for s in got] == [s.rollout_log_probs for s in want]
+
+
+def test_gumbel_noise_is_the_per_request_draw():
+    """In place and in one buffer, but the same numbers as -log(-log(rand)) per generator."""
+    gens = [torch.Generator().manual_seed(s) for s in (3, 1, 4)]
+    copies = [torch.Generator().manual_seed(s) for s in (3, 1, 4)]
+    got = gumbel_noise(gens, 50)
+    want = torch.stack([-torch.log(-torch.log(torch.rand(50, generator=g).clamp(min=1e-20))) for g in copies])
+    assert torch.equal(got, want)

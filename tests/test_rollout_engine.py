@@ -351,10 +351,11 @@ def test_group_prefill_is_shared_and_changes_nothing():
     ]
     engine = Engine(model, max_batch_size=16, max_seq_len=64)
     calls = []
-    original = model.forward
-    model.forward = lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw)
+    step = engine.decode_step
+    original = step.prefill
+    step.prefill = lambda ids, *a: calls.append(ids.shape) or original(ids, *a)
     samples = engine.generate(reqs)
-    model.forward = original
+    step.prefill = original
     assert calls[0][0] == 3  # one prefill row per distinct prompt, not 12
     for r, s in zip(reqs, samples):
         alone = Engine(model, max_batch_size=1, max_seq_len=64).generate([Request(r.prompt_ids, r.params)])[0]

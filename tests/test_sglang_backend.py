@@ -25,7 +25,7 @@ from tests.conftest import ROOT, comparable, small_run_args
 
 def start_server(seed: int = 0) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "miles.cli", "serve", "--model", "tiny", "--port", "0", "--seed", str(seed),
+        [sys.executable, "-m", "miles.cli", "serve", "--model", "tiny", "--port", "0", "--rollout-seed", str(seed),
          "--max-batch-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip

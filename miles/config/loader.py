@@ -22,6 +22,23 @@ from miles.errors import ConfigError
 
 ENV_NOT_YET: dict[str, str] = {}  # environment variables of features not built yet: refused
 
+# flags of earlier versions: refused, naming what replaced them
+RETIRED: dict[str, str] = {
+    "rollout_fused_step": "use --rollout-decode-step fused (or auto, the default, which picks it where it runs)",
+    "rollout_lean_decode": "the lean step was retired; --rollout-decode-step general runs the model's forward",
+    "rollout_packed_gemm": "the lean step and its packed GEMMs were retired; see --rollout-decode-step",
+    "rollout_onednn": "the oneDNN projections were retired with the lean step; see --rollout-decode-step",
+    "rollout_compile": "the compiled lean step was retired (the fused step is faster on CPU); see --rollout-decode-step",
+}
+
+
+def _retired(name: str) -> str | None:
+    """The refusal for a retired flag or key (its --no- form too), else None."""
+    bare = name.replace("-", "_").removeprefix("no_")
+    if bare in RETIRED:
+        return f"--{name.replace('_', '-')} is no longer a flag: {RETIRED[bare]}"
+    return None
+
 
 @dataclasses.dataclass
 class FieldInfo:
@@ -140,24 +157,50 @@ def build_train_parser() -> argparse.ArgumentParser:
         if info.section not in groups:
             doc = typing.get_type_hints(RunConfig)[info.section].__doc__ or ""
             groups[info.section] = parser.add_argument_group(info.section, doc.strip())
-        help_text = info.meta["help"]
-        if info.meta["available"] is not True:
-            help_text += " [not available yet]"
-        if info.meta["bounds"] is not None:
-            help_text += f" [{info.meta['bounds']}]"
-        if info.kind is not bool and info.default not in (None, {}, []):
-            help_text += f" (default: {info.default})"
-        kwargs: dict[str, Any] = {"help": help_text, "dest": info.name}
-        if info.kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif info.kind is dict:
-            kwargs["metavar"] = "JSON"
-        else:
-            kwargs["metavar"] = info.name.upper()
-            if info.meta["choices"]:
-                kwargs["choices"] = info.meta["choices"]
-        groups[info.section].add_argument(*info.flags, **kwargs)
+        add_field_flag(groups[info.section], info.name)
     return parser
+
+
+_OWN_DEFAULT = object()
+
+
+def add_field_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, default: Any = argparse.SUPPRESS
+) -> None:
+    """The flag of config field `name`, as `miles train` spells and explains it (other commands
+    reuse it, so one option has one spelling). `default`: SUPPRESS (train: unset flags stay
+    unset), `_OWN_DEFAULT` (the field's), or a value of the command's own; `field_values` converts."""
+    info = FIELDS[name]
+    shown = info.default if default in (argparse.SUPPRESS, _OWN_DEFAULT) else default
+    help_text = info.meta["help"]
+    if info.meta["available"] is not True:
+        help_text += " [not available yet]"
+    if info.meta["bounds"] is not None:
+        help_text += f" [{info.meta['bounds']}]"
+    if info.kind is not bool and shown not in (None, {}, []):
+        help_text += f" (default: {shown})"
+    kwargs: dict[str, Any] = {"help": help_text, "dest": info.name}
+    kwargs["default"] = info.default if default is _OWN_DEFAULT else default
+    if info.kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif info.kind is dict:
+        kwargs["metavar"] = "JSON"
+    else:
+        kwargs["metavar"] = info.name.upper()
+        if info.meta["choices"]:
+            kwargs["choices"] = info.meta["choices"]
+    parser.add_argument(*info.flags, **kwargs)
+
+
+def add_field_flags(parser: argparse.ArgumentParser, names: list[str], **defaults: Any) -> None:
+    """`add_field_flag` for each name, with the field's default unless `defaults` gives one."""
+    for name in names:
+        add_field_flag(parser, name, defaults.get(name, _OWN_DEFAULT))
+
+
+def field_values(args: argparse.Namespace, where: str = "command line") -> dict[str, Any]:
+    """Field name -> converted value for every config field present in `args`."""
+    return {k: _convert(FIELDS[k], v, where) for k, v in vars(args).items() if k in FIELDS}
 
 
 def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
@@ -176,12 +219,14 @@ def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
                 if key == "co_evolution" and name == "interval":
                     name = "co_evolution_interval"
                 if name not in FIELDS:
-                    raise ConfigError(f"{path}: unknown key {key}.{sub}{_suggest(sub, key)}")
+                    raise ConfigError(
+                        f"{path}: {_retired(name) or f'unknown key {key}.{sub}{_suggest(sub, key)}'}"
+                    )
                 flat[name] = v
         else:
             name = ALIASES.get(key, key)
             if name not in FIELDS:
-                raise ConfigError(f"{path}: unknown key {key!r}{_suggest(key)}")
+                raise ConfigError(f"{path}: {_retired(name) or f'unknown key {key!r}{_suggest(key)}'}")
             flat[name] = value
     return flat
 
@@ -193,7 +238,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     for token in unknown:
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0].replace("-", "_")
-            raise ConfigError(f"unknown flag --{name.replace('_', '-')}{_suggest(name)}")
+            raise ConfigError(_retired(name) or f"unknown flag --{name.replace('_', '-')}{_suggest(name)}")
         raise ConfigError(f"unexpected argument {token!r} (flags start with --; see miles train --help)")
     values: dict[str, Any] = {}
     config_path = getattr(args, "config", None)
@@ -207,9 +252,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
             raise ConfigError(f"--config {config_path}: not valid YAML ({e})") from e
         for name, value in _flatten_yaml(data, str(path)).items():
             values[name] = _convert(FIELDS[name], value, str(path))
-    for name, value in vars(args).items():
-        if name != "config":
-            values[name] = _convert(FIELDS[name], value, "command line")
+    values.update(field_values(args))
     return make_config(values)
 
 
@@ -219,7 +262,7 @@ def make_config(values: dict[str, Any]) -> RunConfig:
     for name, value in values.items():
         info = FIELDS.get(ALIASES.get(name, name))
         if info is None:
-            raise ConfigError(f"unknown setting {name!r}{_suggest(name)}")
+            raise ConfigError(_retired(name) or f"unknown setting {name!r}{_suggest(name)}")
         setattr(getattr(cfg, info.section), info.name, value)
     return validate(cfg)
 

@@ -67,49 +67,27 @@ class RolloutSection:
     num_rollout: int = option(100, "number of RL steps (rollout + train)", bounds="[1, inf)")
     rollout_batch_size: int = option(32, "prompts per rollout", bounds="[1, inf)")
     n_samples_per_prompt: int = option(8, "responses per prompt (the GRPO group)", bounds="[1, inf)")
-    rollout_max_response_len: int = option(64, "maximum new tokens per response", bounds="[1, inf)")
-    rollout_temperature: float = option(1.0, "sampling temperature", bounds="[0, inf)")
+    rollout_max_response_len: int = option(
+        64, "maximum new tokens per response", bounds="[1, inf)", aliases=("max_new_tokens",)
+    )
+    rollout_temperature: float = option(
+        1.0, "sampling temperature (0: greedy)", bounds="[0, inf)", aliases=("temperature",)
+    )
     rollout_top_p: float = option(1.0, "nucleus sampling; keep 1.0 for unbiased RL logprobs", bounds="(0, 1]")
     rollout_top_k: int = option(-1, "top-k sampling; -1 = off", bounds="[-1, inf)")
     rollout_max_batch_size: int = option(
-        256, "requests the engine decodes at once (KV-cache slots)", bounds="[1, inf)"
+        256,
+        "requests the engine decodes at once (KV-cache slots)",
+        bounds="[1, inf)",
+        aliases=("max_batch_size",),
     )
     rollout_seed: int = option(0, "engine sampling seed", bounds="[0, inf)")
-    rollout_lean_decode: bool = option(
-        True,
-        "decode with the engine's lean one-token step (fused q/k/v, gate/up and expert GEMMs; the model's "
-        "forward to within a few fp32 ulps); off: the general forward, for A/B checks. Steps aside by itself for FP8/INT4 layers, "
-        "batch-invariant routing, expert capacity and sharded experts",
-    )
-    rollout_compile: bool = option(
-        False,
-        "compile the lean decode step whole with torch.compile (needs a C++ compiler on CPU): faster on CPU, "
-        "most at 1-4 requests, where each projection reads its weight at memory speed (SmolLM2 batch 1 about "
-        "2.5x a step); 10-80 s of compilation per 128 KV positions, cached across runs; log-probs then differ "
-        "from the trainer's by fp32 rounding (~1e-5), as train_rollout_logprob_abs_diff shows",
-    )
-    rollout_packed_gemm: bool = option(
-        True,
-        "CPU with MKL: run the lean step's full-batch projections on weights packed once for MKL's GEMM (the "
-        "bits of F.linear or one ulp off, by CPU; faster at small batches; the packed copies take about 3x those weights' memory)",
-    )
-    rollout_onednn: bool = option(
-        False,
-        "CPU: run each projection of the decode step and the prefill whose shape measures faster there on oneDNN, "
-        "its weight packed once (one more copy of those weights; with --rollout-compile too, past 4 requests). Where "
-        "MKL is slow at these sizes (AMD CPUs) about 2x faster projections (SmolLM2 batch 16: ~1.9x a step, 2.2x "
-        "transformers end to end); rounding then differs from the trainer's F.linear by fp32 ulps, as "
-        "train_rollout_logprob_abs_diff shows",
-    )
-    rollout_fused_step: bool = option(
-        True,
-        "CPU, fp32: run each decode step and prefill as one C++ call (built on first use with the system's C++ "
-        "compiler in a few seconds, cached): many requests split over the threads once, each thread's through "
-        "every layer, experts on the rows that chose them; few requests share every product by output columns. "
-        "A row's result does not depend on its batch-mates or the thread count. 2-4x faster decode steps than the "
-        "lean step on the tiny MoE and SmolLM2 (docs/performance.md); log-probs differ from the trainer's by fp32 "
-        "rounding (~1e-7 mean), as train_rollout_logprob_abs_diff shows. Steps aside by itself (the run log says "
-        "why) on a GPU, for FP8/INT4 layers and where the lean step does; --no-rollout-fused-step: the lean step",
+    rollout_decode_step: str = option(
+        "auto",
+        "how the engine runs the model: fused (each decode step and prefill one C++ call; CPU, fp32), general "
+        "(the model's own forward: any device and option), or auto (fused where it runs, else general; the run "
+        "log says which and why)",
+        choices=("auto", "fused", "general"),
     )
     over_sampling_batch_size: int | None = option(
         None,
@@ -131,15 +109,9 @@ class RolloutSection:
         "(instead of correcting them with --use-tis)",
     )
 
-    def decode_options(self) -> dict[str, bool]:
+    def decode_options(self) -> dict[str, str]:
         """The Engine keyword arguments that choose its decode step (every engine, local or Ray)."""
-        return dict(
-            lean_decode=self.rollout_lean_decode,
-            packed_gemm=self.rollout_packed_gemm,
-            onednn_gemm=self.rollout_onednn,
-            compile_decode=self.rollout_compile,
-            fused_step=self.rollout_fused_step,
-        )
+        return dict(decode_step=self.rollout_decode_step)
 
 
 @dataclass
@@ -400,11 +372,9 @@ class PrecisionSection:
 
     fp8_recipe: str | None = option(
         None,
-        "unified FP8: trainer (FP8 forward GEMMs, straight-through backward, fp32 master weights) and rollout "
-        "engine (float8 weights) quantize the same way. blockwise: one scale per 128x128 weight block and per 1x128 "
-        "activation tile | tensorwise: one per tensor | delayed: per tensor, activations and gradients scaled by the "
-        "amax history of the previous 16 calls (Transformer Engine's delayed scaling). Scales are powers of two "
-        "unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
+        "unified FP8: trainer and rollout engine quantize the same way. blockwise: a scale per 128x128 weight "
+        "block and 1x128 activation tile | tensorwise: one per tensor | delayed: per tensor from an amax history "
+        "(Transformer Engine's). Power-of-two scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
         choices=("blockwise", "tensorwise", "delayed"),
     )
     fp8_format: str | None = option(
@@ -434,11 +404,9 @@ class PrecisionSection:
     )
     int4_qat: bool = option(
         False,
-        "INT4 quantization-aware training (W4A16): the trainer multiplies by weights rounded to INT4 (symmetric, one "
-        "scale per 1 x G input group; straight-through backward; fp32 master weights) and the rollout engine serves "
-        "the same grid as packed INT4 weights. Quantized: the attention, MLP and expert projections (*_proj); "
-        "embeddings, lm_head, norms and the MoE router stay full precision. OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 "
-        "sets it (read once in the driver, carried to every Ray worker in the configuration)",
+        "INT4 quantization-aware training (W4A16): the trainer uses weights rounded to INT4 (a scale per input "
+        "group, straight-through backward) and the engine serves the same grid packed. Projections only; "
+        "embeddings, lm_head, norms and routers stay full precision. OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 sets it",
     )
     int4_rollout_only: bool = option(
         False,
@@ -472,10 +440,9 @@ class SpeculativeSection:
 
     draft_model: str | None = option(
         None,
-        "speculative decoding in the rollout engine: auto (a copy of the policy's first --draft-layers blocks, "
-        "embedding and lm_head) | ngram (continues the longest recent match of the context's suffix; no model) | "
-        "a checkpoint path (same tokenizer). Tokens follow the policy's distribution exactly; log-probs are the "
-        "policy's. A draft above 1/4 of the policy's parameters gets a warning",
+        "speculative decoding in the rollout engine: auto (the policy's first --draft-layers blocks) | ngram "
+        "(continues the longest recent match of the context; no model) | a checkpoint path (same tokenizer). "
+        "Tokens follow the policy's distribution exactly; log-probs are the policy's",
     )
     draft_layers: int = option(
         1, "with --draft-model auto: how many of the policy's blocks the draft keeps", bounds="[1, inf)"
@@ -536,10 +503,9 @@ class SyncSection:
     )
     sync_transport: str = option(
         "auto",
-        "how weights reach Ray rollout engines: object-store (buckets put once into Ray's object store, fetched "
-        "by every engine) | broadcast (the trainer's rank 0 broadcasts buckets over a weight-update group: gloo on "
-        "CPU, NCCL on GPU, as slime does for disaggregated engines) | auto (broadcast on GPUs, object-store on "
-        "CPU). --use-zero-copy-sync takes precedence on one host",
+        "how weights reach Ray rollout engines: object-store (buckets put once, read by every engine) | "
+        "broadcast (rank 0 broadcasts buckets over a weight-update group: gloo on CPU, NCCL on GPU) | auto "
+        "(broadcast on GPUs, object-store on CPU). --use-zero-copy-sync takes precedence on one host",
         choices=("auto", "object-store", "broadcast"),
     )
     async_weight_sync: bool = option(

@@ -154,6 +154,13 @@ def _fp8_remedies(run: RunRecord) -> list[Remedy]:
                 "start in bf16, switch to FP8 once stable",
             )
         )
+    if not run.setting("precision.fp8_skip_layers"):
+        remedies.append(
+            Remedy(
+                ["--fp8-skip-layers", "self_attn"],
+                "attention projections in full precision (lm_head, embeddings, norms and routers always are)",
+            )
+        )
     return remedies
 
 

@@ -5,16 +5,20 @@
 frees its slot at once, so a batch of mixed lengths never waits for its longest member.
 `generate` runs steps until a list of requests is done. Weight updates requested from any thread
 are applied between steps, never inside one.
+
+The engine is the scheduler; the model's arithmetic is a `DecodeStep` (`miles.rollout.steps`:
+the fused C++ step on CPU, the model's general forward elsewhere) and token choice is the
+`Sampler` (`miles.rollout.sampling`).
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -24,13 +28,12 @@ from tqdm import tqdm
 from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
-from miles.rollout.compiled_decode import CompiledDecode, compile_unsupported
-from miles.rollout.fast_decode import FastDecoder, PackedPrefill, onednn_works, prefill_packs, unsupported
-from miles.rollout.fused_step import FusedDecode, fused_unsupported
-from miles.rollout.noise import NoiseBank, rows_ahead
-from miles.rollout.sampling import SamplingParams, sample_tokens, scale_by_temperature
+from miles.rollout.sampling import Sampler, SamplingParams, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
+from miles.rollout.steps import DecodeStep, choose_step
 from miles.rollout.weights import apply_named_tensors
+
+log = logging.getLogger("miles")
 
 
 @dataclass
@@ -105,36 +108,20 @@ class Engine:
         seed: int = 0,
         admit_batch: int | None = None,
         speculator: Speculator | None = None,
-        lean_decode: bool = True,
-        packed_gemm: bool = True,
-        compile_decode: bool = False,
-        onednn_gemm: bool = False,
-        fused_step: bool = False,
+        decode_step: str = "auto",
     ) -> None:
-        self.model = model.eval()
-        self.lean_decode = lean_decode  # the one-token step of miles.rollout.fast_decode, where it applies
-        self.packed_gemm = packed_gemm  # its full-batch projections on MKL-packed weights (CPU)
-        self.compile_decode = compile_decode  # that step compiled whole (miles.rollout.compiled_decode)
-        self.onednn_gemm = onednn_gemm  # its projections on oneDNN (compiled: chosen where faster)
-        self.fused_step = fused_step  # the whole step as one C++ call (miles.rollout.fused_step)
-        self.speculator = speculator  # speculative decoding (miles/rollout/speculative.py), or None
+        """`decode_step`: auto | fused | general (`miles.rollout.steps.choose_step`);
+        `admit_batch`: while requests decode, admit waiting ones once this many slots are free."""
+        self.model, self.tokenizer, self.speculator = model.eval(), tokenizer, speculator
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
-        self.tokenizer = tokenizer
-        self.slots = max_batch_size
+        self.slots, self.seed, self.step_choice = max_batch_size, seed, decode_step
         context = model.config.max_position_embeddings  # never generate past what the model knows
         self.max_seq_len = min(max_seq_len or context, context)
-        self._fast: FastDecoder | CompiledDecode | FusedDecode | None = None
-        self._fast_for_model()
-        self.cache = model.new_cache(self.slots, self.max_seq_len)
-        # sampling noise drawn a few rows ahead per slot (same numbers); speculative decoding
-        # draws from the same generators in between, so it draws as it goes
-        vocab = model.lm_head.weight.shape[0]
-        self._noise = (
-            NoiseBank(self.slots, vocab) if speculator is None and rows_ahead(self.slots, vocab) > 1 else None
-        )
-        self.seed = seed
-        # while requests are decoding, admit waiting ones only once this many slots are free
         self.admit_batch = admit_batch if admit_batch is not None else max(1, max_batch_size // 8)
+        self._build_step()
+        self.cache = model.new_cache(self.slots, self.max_seq_len)
+        vocab = model.lm_head.weight.shape[0]
+        self.sampler = Sampler(self.slots, vocab, self.device, draw_ahead=speculator is None)
         self.weight_version = 0
         self.restarts = 0  # an in-process engine is never restarted (the Ray manager's count)
         self.is_moe = model.config.is_moe
@@ -144,6 +131,12 @@ class Engine:
         self._uids = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: dict[int, _Running] = {}  # slot -> state
+        self._init_locks()
+        self._arrivals = 0  # requests added so far
+        self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
+        self.times = EngineTimes()
+
+    def _init_locks(self) -> None:
         self._lock = threading.Lock()  # guards the pending-update list
         self._step_lock = threading.RLock()  # held for a whole step: updates land between steps
         # an update holds this while it waits for the step lock, and each step passes through it
@@ -151,77 +144,13 @@ class Engine:
         # straight back could hold an update off until its whole batch finished
         self._turnstile = threading.RLock()
         self._pending_updates: list[tuple[list[tuple[str, torch.Tensor]], int | None, threading.Event]] = []
-        self._arrivals = 0  # requests added so far
-        self._abort_before: int | None = None  # abort_all(): requests that arrived before this count
         self._defer_refill = self._needs_refill = False  # see paused()
-        self.times = EngineTimes()
-        self._params_cache: tuple[list[Request], tuple[torch.Tensor, ...]] | None = None
 
-    def _fast_for_model(self) -> None:
-        """(Re)build the decode step for the model as it is now: the fused one, the compiled one or
-        the lean one, as asked and where each can run; else the model's general forward."""
-        self._prefill_mode: PackedPrefill | None = None  # the prefill's packed projections
-        reason = unsupported(self.model) if self.lean_decode else "off (lean_decode=False)"
-        if reason is not None:
-            self._fast, self.decode_path = None, f"general forward: {reason}"
-            return
-        weight = self.model.lm_head.weight
-        if self.onednn_gemm and not onednn_works(weight.device, weight.dtype):
-            raise MilesError(
-                f"--rollout-onednn: oneDNN's packed linear runs on CPU with fp32 weights (and a torch built with "
-                f"oneDNN); the rollout model is on {weight.device} in {weight.dtype}. Drop the flag there"
-            )
-        why_not = None  # why an asked-for step (fused, compiled) did not run
-        if self.fused_step:
-            reason = self._build_fused()
-            if reason is None:
-                self.decode_path = f"fused (one C++ call a step, rows over {self._fast.threads} threads)"
-                if self.onednn_gemm or self.compile_decode:  # the fused call runs every product
-                    self.decode_path += "; --rollout-onednn and --rollout-compile unused"
-                return
-            why_not = f"not fused: {reason}"
-        if self.compile_decode:
-            plain = FastDecoder(self.model)  # unpacked: the compiled step packs its own
-            reason = compile_unsupported(plain)
-            if reason is None:
-                self._fast = CompiledDecode(plain, self.slots, self.max_seq_len, onednn=self.onednn_gemm)
-                names = sorted({name for _, name in self._fast.packed})
-                projections = f", on oneDNN: {', '.join(names)}" if names else ""
-                self.decode_path = f"lean, compiled (torch.compile){projections}"
-                self._prefill_on_onednn(list(self._fast.packed.values()))
-                return
-            why_not = "; ".join(filter(None, [why_not, f"not compiled: {reason}"]))
-        pack = self.packed_gemm or self.onednn_gemm
-        self._fast = FastDecoder(self.model, self.slots if pack else None, onednn=self.onednn_gemm)
-        packed = self._fast.packed_rows
-        self.decode_path = "lean" + (f", projections packed for {packed} rows" if packed else "")
-        if self._fast.packing == "onednn":
-            on, total = len(self._fast.packed_projections()), len(self._fast.row_projections())
-            self.decode_path = f"lean, {on} of {total} projections on oneDNN (where it measured faster)"
-        if self._fast.packing_note:
-            self.decode_path += f" ({self._fast.packing_note})"
-        if why_not is not None:
-            self.decode_path += f"; {why_not}"
-        self._prefill_on_onednn(self._fast.packed_projections())
-
-    def _build_fused(self) -> str | None:
-        """The fused step as `self._fast`; or why it cannot run here."""
-        reason = fused_unsupported(self.model)
-        if reason is not None:
-            return reason
-        try:
-            self._fast = FusedDecode(self.model)
-        except (RuntimeError, OSError) as error:  # no writable cache, a compiler that fails
-            return f"its build failed ({str(error).strip()[:300]})"
-        return None
-
-    def _prefill_on_onednn(self, shared: list) -> None:
-        """With --rollout-onednn, the prefill's projections on oneDNN too (where each measures
-        faster), the decode step's packs reused where they hold the same weight."""
-        if self.onednn_gemm:
-            table = prefill_packs(self.model, self.slots, shared)
-            self._prefill_mode = PackedPrefill(table) if table else None
-            self.decode_path += f"; prefill: {len(table)} projections on oneDNN"
+    def _build_step(self) -> None:
+        """(Re)choose the decode step for the model as it is now; `decode_path` says which and why."""
+        self.decode_step: DecodeStep
+        self.decode_step, self.decode_path = choose_step(self.model, self.step_choice)
+        log.debug("rollout engine decode step: %s", self.decode_path)
 
     # ---- public API ----
 
@@ -372,7 +301,7 @@ class Engine:
 
         with self._turnstile, self._step_lock:
             set_mode(self.model, mode)
-            self._fast_for_model()
+            self._build_step()
 
     def peak_memory(self) -> list[dict[str, int]]:
         """Its weights by dtype; its peak RSS is the driver's (`mem_driver_*`): it shares the process."""
@@ -417,8 +346,8 @@ class Engine:
         for tensors, version, _ in updates:
             apply_named_tensors(self.model, tensors)
             self.weight_version = version if version is not None else self.weight_version + 1
-        if self._fast is not None and not self._fast.intact():  # a parameter was replaced, not copied into
-            self._fast_for_model()
+        if not self.decode_step.intact():  # a parameter was replaced, not copied into
+            self._build_step()
         if self._running:  # keys/values of running requests were computed by the old weights
             if self._defer_refill:
                 self._needs_refill = True
@@ -439,8 +368,7 @@ class Engine:
             stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self._eos)
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
             self._running[state.slot] = state
-            if self._noise is not None:
-                self._noise.reset(state.slot)
+            self.sampler.reset(state.slot)
             if self.speculator is not None:
                 self.speculator.draft.reset(state.slot)
             new.append(state)
@@ -470,15 +398,10 @@ class Engine:
         ids = torch.zeros(len(unique), T, dtype=torch.long)
         for u, x in enumerate(unique):
             ids[u, : len(x)] = torch.tensor(x)
-        positions = torch.arange(T).expand(len(unique), T)
         rows = torch.tensor([s.slot for s in owners])
-        last = torch.tensor([len(x) - 1 for x in unique])
-        real = positions <= last[:, None]  # right padding takes no MoE capacity
+        lengths = torch.tensor([len(x) for x in unique])
         dev = self.device
-        if isinstance(self._fast, FusedDecode):  # the prefill through the same C++ forward
-            out = self._fast.prefill(ids, last + 1, rows, self.cache)
-        else:
-            out = self._prefill(ids, positions, rows, last, real)
+        out = self.decode_step.prefill(ids, lengths, rows, self.cache)
         index = [unique[seq] for seq in seqs]  # each state's prefill row
         copied = [b for b in range(len(states)) if states[b] is not owners[index[b]]]
         if copied:  # one gather per buffer; positions past a copy's own length are masked later
@@ -491,19 +414,6 @@ class Engine:
             for b, s in enumerate(states):
                 s.routed = [routed[index[b], : len(seqs[b])]]
         return out.logits[torch.tensor(index, device=dev), 0]
-
-    def _prefill(self, ids, positions, rows, last, real):
-        """The general forward over padded prompts into cache `rows` (oneDNN's products where asked)."""
-        dev = self.device
-        with torch.no_grad(), self._prefill_mode or nullcontext():
-            return self.model(
-                ids.to(dev),
-                positions=positions.to(dev),
-                cache=self.cache,
-                cache_rows=rows.to(dev),
-                logits_at=last.to(dev),
-                token_mask=real.to(dev),
-            )
 
     def _decode(self) -> list[Sample]:
         spec = self.speculator
@@ -524,25 +434,6 @@ class Engine:
         spec.record(batch, speculative, after - before, timer.lap())
         return finished
 
-    def _params(self, states: list[_Running]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temperature, top_k, top_p) per state; reused while the same requests run."""
-        requests = [s.request for s in states]
-        cached = self._params_cache
-        if (
-            cached is not None
-            and len(cached[0]) == len(requests)
-            and all(map(operator.is_, cached[0], requests))
-        ):
-            return cached[1]
-        params = [r.params for r in requests]
-        made = (
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-        )
-        self._params_cache = (requests, made)
-        return made
-
     def _decode_speculative(self, k: int) -> list[Sample]:
         """Up to k + 1 tokens for every running request from one pass of the policy: the draft
         proposes k, the policy scores them all at once, exact speculative sampling keeps a prefix
@@ -550,7 +441,7 @@ class Engine:
         past the sequence's end, masked by position and overwritten later."""
         spec, timer = self.speculator, Timer()
         states = sorted(self._running.values(), key=lambda s: s.slot)
-        temperature, top_k, top_p = self._params(states)
+        temperature, top_k, top_p = self.sampler.params([s.request for s in states])
         seqs = [list(s.request.prompt_ids) + s.response for s in states]
         generators = [s.generator for s in states]
         proposed, q = spec.draft.propose(
@@ -621,29 +512,19 @@ class Engine:
                 s.routed.append(routed[b : b + 1])
         return self._emit(states, out.logits[busy, -1])
 
-    @torch.no_grad()
     def _forward_slots(self, ids: torch.Tensor, positions: torch.Tensor):
         """The policy over cache slots [0, len(ids)): a view of the cache, which beats gathering rows."""
-        if self._fast is not None and ids.shape[1] == 1:
-            return self._fast(ids[:, 0].to(self.device), positions[:, 0].to(self.device), self.cache)
-        return self.model(
-            ids.to(self.device),
-            positions=positions.to(self.device),
-            cache=self.cache,
-            cache_rows=slice(0, len(ids)),
-        )
+        return self.decode_step.decode(ids, positions, self.cache)
 
     def _emit(self, states: list[_Running], logits: torch.Tensor) -> list[Sample]:
         """Sample one token for each state from `logits`; finish the ones that stop."""
-        generators = [s.generator for s in states]
-        draw = None
-        if self._noise is not None:
-
-            def draw() -> torch.Tensor:
-                left = [s.request.params.max_new_tokens - len(s.response) for s in states]
-                return self._noise.take([s.slot for s in states], generators, left)
-
-        tokens, logprobs = sample_tokens(logits, *self._params(states), generators, draw)
+        tokens, logprobs = self.sampler.sample(
+            logits,
+            [s.request for s in states],
+            [s.slot for s in states],
+            [s.generator for s in states],
+            [s.request.params.max_new_tokens - len(s.response) for s in states],
+        )
         finished = []
         for s, tok, lp in zip(states, tokens.tolist(), logprobs.tolist()):
             sample = self._append(s, tok, lp)

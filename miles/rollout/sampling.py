@@ -11,13 +11,14 @@ tokens depend on its seed alone, never on which other requests share the batch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from miles.errors import MilesError
-from miles.rollout.noise import gumbel_
+from miles.rollout.noise import NoiseBank, gumbel_, rows_ahead
 
 
 @dataclass
@@ -109,3 +110,57 @@ def sample_tokens(
         if bool(greedy.any()):
             tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class Sampler:
+    """The engine's sampler: each running request's next token from its own parameters and its
+    own generator. Sampling parameters are kept as tensors while the same requests run, and the
+    noise of plain decoding is drawn a few rows ahead per slot (`NoiseBank`, the same numbers);
+    speculative decoding draws from the same generators in between, so it draws as it goes."""
+
+    def __init__(self, slots: int, vocab: int, device: torch.device, draw_ahead: bool = True) -> None:
+        self.device = device
+        self.noise = NoiseBank(slots, vocab) if draw_ahead and rows_ahead(slots, vocab) > 1 else None
+        self._cached: tuple[list, tuple[torch.Tensor, ...]] | None = None
+
+    def reset(self, slot: int) -> None:
+        """A new request took `slot`."""
+        if self.noise is not None:
+            self.noise.reset(slot)
+
+    def params(self, requests: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p) per request (objects with `.params`); reused while the same
+        requests run."""
+        cached = self._cached
+        if (
+            cached is not None
+            and len(cached[0]) == len(requests)
+            and all(map(operator.is_, cached[0], requests))
+        ):
+            return cached[1]
+        params = [r.params for r in requests]
+        made = (
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+        )
+        self._cached = (list(requests), made)
+        return made
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: list,
+        slots: list[int],
+        generators: list[torch.Generator],
+        left: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, log-probs) for each row of `logits` (B, V); `left`: tokens each request may
+        still sample (how far ahead its noise may be drawn)."""
+        draw = None
+        if self.noise is not None:
+
+            def draw() -> torch.Tensor:
+                return self.noise.take(slots, generators, left)
+
+        return sample_tokens(logits, *self.params(requests), generators, draw)

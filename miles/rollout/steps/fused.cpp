@@ -1,4 +1,4 @@
-// A decode step or a prefill, the whole model in one call (miles/rollout/fused_step.py).
+// A decode step or a prefill, the whole model in one call (miles/rollout/steps/fused.py).
 //
 // Every sequence's tokens are independent of the other sequences' (their own KV-cache slot, their
 // own experts), so with many tokens the sequences are split once over the threads and each

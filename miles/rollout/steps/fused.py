@@ -1,8 +1,8 @@
-"""Each decode step and prefill as one C++ call (`--rollout-fused-step`, the default on CPU).
+"""Each decode step and prefill as one C++ call (`--rollout-decode-step fused`, auto's choice on CPU).
 
 At the sizes RL rollout runs on a CPU, a decode step of a small model is about a hundred
 operators of a few microseconds each, and each one forks and joins the thread pool
-(docs/performance.md, "Where a decode step goes"). Every row's step is independent of the other
+(docs/performance.md). Every row's step is independent of the other
 rows' (its own KV-cache slot, its own experts), so `fused_step.cpp` splits the rows over the
 threads once and runs each thread's rows through the whole model: one parallel region a step.
 With few rows a thread (SmolLM2 at batch 1 or 16) the threads share each product by output
@@ -18,7 +18,8 @@ The source is compiled on first use with the system's C++ compiler (`-O3 -march=
 Rounding: the summation orders differ from ATen's (and the softmax's exponential is a
 polynomial to about 1 ulp), so logits match the general forward's to fp32 rounding, not bitwise;
 but a row's arithmetic is its own, so its bits do not depend on its batch-mates, the thread
-count or the split (tests/test_fused_step.py). `train_rollout_logprob_abs_diff` reports the gap
+count or the split (tests/test_fused_step.py). Several tokens a row (speculative verification)
+run the general forward. `train_rollout_logprob_abs_diff` reports the gap
 to the trainer in a run. The packed weights are a second copy of every projection, remade when
 a parameter's version moves (a weight update copies into the parameters in place).
 """
@@ -37,15 +38,16 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer
-from miles.rollout.fast_decode import unsupported
+from miles.rollout.steps.general import GeneralStep
 
 log = logging.getLogger("miles")
 
-SOURCE = Path(__file__).with_name("fused_step.cpp")
+SOURCE = Path(__file__).with_name("fused.cpp")
 WIDE_BELOW = 16  # tokens a thread below which the threads share each product (one read of each weight)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -126,14 +128,48 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def _projections(model: Transformer):
+    """Every projection module the fused step reads the weight of."""
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        if isinstance(mlp, MoE):
+            yield mlp.gate
+            for e in mlp.experts:
+                yield from (e.gate_proj, e.up_proj, e.down_proj)
+        else:
+            yield from (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    yield model.lm_head
+
+
+def _model_unsupported(model: Transformer) -> str | None:
+    """What in the model the fused step does not compute (None: nothing)."""
+    for name, module in model.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{name or 'the model'} has forward hooks (tensor parallelism, instrumentation)"
+        if getattr(module, "batch_invariant", False):
+            return f"{name} is batch-invariant (--deterministic-expert-routing)"
+        if isinstance(module, MoE):
+            if module.routing.capacity_factor is not None or module.routing.deterministic:
+                return f"{name} routes with capacity or deterministic ties"
+            if module.expert_parallel is not None or module.expert_loader is not None:
+                return f"{name} has sharded or offloaded experts"
+            if not isinstance(module.experts, nn.ModuleList):
+                return f"{name} keeps its experts in a {type(module.experts).__name__}"
+    odd = [type(m).__name__ for m in _projections(model) if type(m) is not nn.Linear]
+    if odd:
+        return f"projections of type {odd[0]} (FP8, INT4 or sharded layers)"
+    return None
+
+
 def fused_unsupported(model: Transformer) -> str | None:
     """Why the fused step cannot run this model here (None: it can)."""
-    reason = unsupported(model)
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in model.parameters()):
+        weight = model.lm_head.weight
+        return f"it runs on CPU in fp32 (the model is on {weight.device} in {weight.dtype})"
+    reason = _model_unsupported(model)
     if reason is not None:
         return reason
-    weight = model.lm_head.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return f"it runs on CPU in fp32 (the model is on {weight.device} in {weight.dtype})"
     if compiler() is None:
         return NO_COMPILER
     return None
@@ -154,10 +190,12 @@ def _t(weights: list[torch.Tensor]) -> torch.Tensor:
     return pack_panels(torch.cat([w.detach() for w in weights]).t())
 
 
-class FusedDecode:
-    """One decode token for rows [0, B) of a KV cache by one call into `fused_step.cpp`, called
-    like `FastDecoder`; `prefill` for whole prompts. `threads`: default torch's; `wide_below`:
-    tokens a thread under which the threads share each product rather than split the rows."""
+class FusedStep:
+    """The `DecodeStep` of one C++ call (`fused.cpp`) a prefill or a one-token step.
+    `threads`: default torch's; `wide_below`: tokens a thread under which the threads share each
+    product rather than split the rows."""
+
+    name = "fused"
 
     def __init__(self, model: Transformer, threads: int | None = None, wide_below: int = WIDE_BELOW) -> None:
         reason = fused_unsupported(model)
@@ -173,6 +211,7 @@ class FusedDecode:
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
         self._one_each: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._general = GeneralStep(model)  # several tokens a row (speculative verification)
 
     def intact(self) -> bool:
         """Whether every parameter still lives where it did (one replaced rather than copied
@@ -252,9 +291,13 @@ class FusedDecode:
         self._packed_versions = [p._version for p in self.sources]
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
-        """ids, positions (B,) long: one token per cache row 0..B-1 -> logits (B, 1, V) and the
-        routing record (B, 1, MoE layers, K), as `Transformer.forward` returns them."""
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
+        """ids, positions (B, T) long over cache rows 0..B-1 -> logits (B, T, V) and the routing
+        record (B, T, MoE layers, K), as `Transformer.forward` returns them. T > 1: the general
+        forward."""
+        if ids.shape[1] != 1:
+            return self._general.decode(ids, positions, cache)
+        ids, positions = ids[:, 0], positions[:, 0]
         B = ids.shape[0]
         if self._one_each is None or self._one_each[1].shape[0] != B:
             self._one_each = torch.arange(B + 1), torch.arange(B)  # starts and slots: row b, slot b
