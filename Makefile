@@ -37,7 +37,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(LINT_DIRS)
 
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -20,7 +20,7 @@ import torch
 
 from miles.models import registry
 from miles.quant.convert import to_fp8, to_int4, weight_bytes
-from miles.quant.linear import FP8Spec
+from miles.quant.fp8_linear import FP8Spec
 from miles.rollout import Engine, Request, SamplingParams
 
 

@@ -44,11 +44,13 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.
     return parser.parse_args(argv)
 
 
-def engine_config(args: argparse.Namespace, **values):
-    """The validated run configuration of a serve/generate command's shared flags."""
+def engine_config(args: argparse.Namespace, **same_as: str):
+    """The validated run configuration of a serve/generate command's shared flags; `same_as`:
+    field -> the field whose value it takes."""
     from miles.config.loader import field_values, make_config
 
-    return make_config({**field_values(args), **values})
+    values = field_values(args)
+    return make_config({**values, **{name: values[source] for name, source in same_as.items()}})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -84,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from miles.rollout.engine import Engine
     from miles.rollout.server import EngineServer
 
-    cfg = engine_config(args, spec_max_batch_size=args.rollout_max_batch_size)
+    cfg = engine_config(args, spec_max_batch_size="rollout_max_batch_size")
     model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings
     if args.max_seq_len > context:
@@ -131,7 +133,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     from miles.config import describe, load_config
     from miles.logs import setup_logging
-    from miles.runtime.loop import train
+    from miles.run import train
 
     argv = default_job_argv(rest)
     if argv is not rest:

@@ -190,7 +190,7 @@ def default_job_on_cuda(extra: list[str], name: str, check_weights: bool = True)
 def fp8_rollout_cuda_vs_cpu() -> None:
     """The engine's FP8 layer on cuda = cpu: blockwise (emulated) and tensorwise, where CUDA runs the
     real torch._scaled_mm on the float8 codes."""
-    from miles.quant.linear import FP8Linear, FP8Spec
+    from miles.quant.fp8_linear import FP8Linear, FP8Spec
 
     torch.manual_seed(0)
     linear, x = torch.nn.Linear(576, 320), torch.randn(7, 576)
@@ -207,7 +207,7 @@ def fp8_rollout_cuda_vs_cpu() -> None:
 
 def fp8_trainer_cuda_vs_cpu() -> None:
     """The trainer's FP8 layer (STE forward, E5M2 gradients with hybrid) on cuda = cpu, gradients included."""
-    from miles.quant.linear import FP8Linear, FP8Spec
+    from miles.quant.fp8_linear import FP8Linear, FP8Spec
 
     torch.manual_seed(0)
     linear, x, g = torch.nn.Linear(576, 320), torch.randn(7, 576), torch.randn(7, 320)

@@ -21,16 +21,20 @@ BASE = [
 ]  # fmt: skip
 
 
-def run_job(root: Path, name: str, *flags: str, steps: int = 5) -> Path:
-    """A short default-job run with `flags`; a run that stops itself (NaN steps) still leaves
-    its metrics, which is what the doctor reads."""
+def run_job(root: Path, name: str, *flags: str, steps: int = 5, stops: str | None = None) -> Path:
+    """A short default-job run with `flags`. It must run all its steps, unless `stops` is given:
+    then it must stop itself with that error (a run that cannot learn, e.g. NaN steps), leaving
+    the metrics the doctor reads. Any other failure fails the test."""
     from miles.runtime.loop import train
 
     out = root / name
-    try:
-        train(load_config([*BASE, "--num-rollout", str(steps), "--output-dir", str(out), *flags]))
-    except MilesError:
-        pass
+    argv = [*BASE, "--num-rollout", str(steps), "--output-dir", str(out), *flags]
+    if stops is None:
+        train(load_config(argv))
+        assert len(load_run(out).steps) == steps, f"{name}: the run ended early"
+    else:
+        with pytest.raises(MilesError, match=stops):
+            train(load_config(argv))
     return out
 
 

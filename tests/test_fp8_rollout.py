@@ -20,7 +20,7 @@ from miles.quant.fp8 import (
     quantize,
     underflow_fraction,
 )
-from miles.quant.linear import FP8Linear, FP8Spec
+from miles.quant.fp8_linear import FP8Linear, FP8Spec
 from tests.conftest import random_model
 
 BLOCK, TENSOR = FP8Recipe("blockwise"), FP8Recipe("tensorwise")

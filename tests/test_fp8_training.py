@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from miles.algo.mismatch import importance_weights
 from miles.quant.convert import fp8_layers, set_mode, to_fp8, weight_bytes
 from miles.quant.fp8 import FP8Recipe, fake_quantize, fake_quantize_activation, quantize, underflow_fraction
-from miles.quant.linear import FP8Linear, FP8Spec, _RoundSTE, scaled_mm
+from miles.quant.fp8_linear import FP8Linear, FP8Spec, _RoundSTE, scaled_mm
 from tests.conftest import random_model, response_logprobs
 
 SPEC = FP8Spec("blockwise")

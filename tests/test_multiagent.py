@@ -115,7 +115,7 @@ def kuhn_args(tmp_path, *flags):
 
 def test_alternating_trains_only_the_active_agent(tmp_path):
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
     from miles.runtime.metrics import read_metrics
 
     train(load_config(kuhn_args(tmp_path, "--num-rollout", "2", "--co-evolution-interval", "2")))
@@ -133,7 +133,7 @@ def test_population_opponents_are_stored_snapshots(tmp_path):
     """A drawn snapshot is in the opponent's engine exactly while the learner plays it; the
     opponent's current weights are back after; every stored snapshot gets drawn."""
     from miles.config import load_config
-    from miles.multiagent.loop import against_snapshots, make_agent
+    from miles.multiagent.co_evolution import against_snapshots, make_agent
 
     cfg = load_config(kuhn_args(tmp_path, "--population-size", "3"))
     policy, tokenizer = registry.load("tiny")
@@ -266,7 +266,7 @@ def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path):
     """Two steps, stop, resume to four: the same metrics (rewards, snapshots drawn, the average
     policy's exploitability) and bitwise the same weights as four steps in one go."""
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
     from miles.runtime.metrics import read_metrics
 
     flags = ("--strategy", "simultaneous", "--co-evolution-interval", "1", "--population-size", "2")
@@ -292,7 +292,7 @@ def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path):
 def test_agent_overrides_set_one_agents_trainer_and_bad_ones_are_named(tmp_path):
     from miles.config import load_config
     from miles.errors import ConfigError
-    from miles.multiagent.loop import agent_config
+    from miles.multiagent.co_evolution import agent_config
 
     over = '{"player_2": {"use_kl_loss": true, "kl_loss_coef": 0.5, "lr": 1e-5}}'
     cfg = load_config(kuhn_args(tmp_path, "--agent-overrides", over))
@@ -304,6 +304,6 @@ def test_agent_overrides_set_one_agents_trainer_and_bad_ones_are_named(tmp_path)
     with pytest.raises(ConfigError, match="shared by every agent"):
         load_config(kuhn_args(tmp_path, "--agent-overrides", '{"player_2": {"num_rollout": 3}}'))
     with pytest.raises(ConfigError, match=r"the agents of kuhn_poker are \['player_1', 'player_2'\]"):
-        from miles.runtime.loop import train
+        from miles.run import train
 
         train(load_config(kuhn_args(tmp_path, "--agent-overrides", '{"dealer": {"lr": 1e-5}}')))

@@ -23,7 +23,7 @@ def ray_six():
 
 def test_agents_on_ray_match_the_one_process_run(ray_six, tmp_path):
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
     from miles.runtime.metrics import read_metrics
 
     flags = ("--num-rollout", "2", "--strategy", "simultaneous", "--co-evolution-interval", "1")

@@ -252,7 +252,7 @@ def test_step_peak_memory_sees_each_steps_own_peak():
     """A 200 MB allocation freed within a step shows in that step's peak and not in the next."""
     import torch
 
-    from miles.runtime.memory import step_peak_memory
+    from miles.diagnostics.memory import step_peak_memory
 
     step_peak_memory()  # start a window
     base = step_peak_memory()["peak_rss"]

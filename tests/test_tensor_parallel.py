@@ -59,13 +59,19 @@ def test_two_rank_engine_matches_the_whole_model(tmp_path):
         whole = generate(random_model(arch, seed=5))
         assert ranks[0][arch + "/kv_heads"] == random_model(arch).config.num_key_value_heads // 2
         a, b = ranks[0][arch], ranks[1][arch]
+        moe = random_model(arch).config.is_moe
         for (ta, la, ra), (tb, lb, rb), (tw, lw, rw) in zip(a, b, whole):
             assert ta == tb and la == lb  # the ranks agree exactly: same all-reduced hidden states
-            assert rb is None or (ra == rb).all()
             assert ta == tw, arch  # and generate what the whole model does
             assert max(abs(x - y) for x, y in zip(la, lw)) < 1e-5, arch
-            if rw is not None:
-                assert (ra == rw).all(), arch
+            # routing: recorded by every side of a MoE model (never silently missing), and the same
+            assert (
+                all(r is not None for r in (ra, rb, rw)) == moe
+                and all(r is None for r in (ra, rb, rw)) != moe
+            )
+            if moe:
+                assert ra.shape == rw.shape and ra.size > 0, arch
+                assert (ra == rb).all() and (ra == rw).all(), arch
 
 
 def test_shard_then_unshard_is_the_identity():

@@ -495,40 +495,24 @@ def validate_sglang(cfg: RunConfig) -> None:
 
 
 def validate_moe(cfg: RunConfig) -> None:
-    """Expert parallelism and offload need a layout that holds them; the R3 buffer needs R3. (The
-    expert count is checked against the model when it is loaded: `miles.train.expert_parallel`.)"""
-    train, algo = cfg.train, cfg.algo
-    ranks = cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node
+    """Expert parallelism and offload need a layout that holds them. (The expert count is checked
+    against the model when it is loaded: `miles.train.expert_parallel`.)"""
+    train, ranks = cfg.train, cfg.sync.training_ranks
     ep = train.expert_model_parallel_size
     if ep > 1 and ranks % ep:
         raise ConfigError(
             f"--expert-model-parallel-size {ep} must divide the {ranks} training ranks "
             f"(--actor-num-nodes x --actor-num-gpus-per-node); e.g. --actor-num-gpus-per-node {ep}"
         )
-    if ep > 1 and train.data_parallel == "fsdp":
-        raise ConfigError(
-            "--expert-model-parallel-size with --data-parallel fsdp: FSDP already shards the experts; use one of them"
-        )
-    if train.offload_experts and train.data_parallel == "fsdp":
-        raise ConfigError(
-            "--offload-experts with --data-parallel fsdp: FSDP2 owns the parameters' placement; use ddp"
-        )
     if train.offload_experts and ranks > 1 and (ep > 1 or cfg.model.device.startswith("cuda")):
         raise ConfigError(
             "--offload-experts runs with one training rank on a GPU (or with data parallelism on CPU), not with "
             "expert parallelism: expert gradients in host memory are not reduced over NCCL yet"
         )
-    if algo.r3_buffer_size is not None and not algo.use_r3:
-        raise ConfigError(
-            "--r3-buffer-size bounds the routing records kept for replay; add --use-r3 or remove it"
-        )
 
 
-def validate(given: RunConfig) -> RunConfig:
-    """Check every setting, before any work; return the resolved configuration (the global
-    batch, a micro-batch capped at it, --use-tis implied by --tis-threshold, DEBUG implied by
-    MILES_DEBUG, --profile implied by --profile-dir). `given` itself is left as it was."""
-    cfg = copy.deepcopy(given)
+def check_fields(cfg: RunConfig) -> None:
+    """Each field on its own: available in this version, one of its choices, within its range."""
     for info in FIELDS.values():
         value = getattr(getattr(cfg, info.section), info.name)
         reason = info.meta["available"]
@@ -544,7 +528,12 @@ def validate(given: RunConfig) -> RunConfig:
     for var, reason in ENV_NOT_YET.items():
         if os.environ.get(var, "").strip() not in ("", "0"):
             raise ConfigError(f"environment variable {var} is set, but {reason}. Unset it to run.")
-    rollout, algo, train = cfg.rollout, cfg.algo, cfg.train
+
+
+def resolve_batches(cfg: RunConfig) -> None:
+    """The global batch from the rollout's samples and the steps per rollout; a micro-batch capped
+    at it; the ranks it splits over; the group an estimator compares; a critic's warm-up."""
+    rollout, train, algo = cfg.rollout, cfg.train, cfg.algo
     total = rollout.rollout_batch_size * rollout.n_samples_per_prompt
     if train.global_batch_size is None:
         if total % train.num_steps_per_rollout:
@@ -558,147 +547,60 @@ def validate(given: RunConfig) -> RunConfig:
             f"--rollout-batch-size {rollout.rollout_batch_size} x --n-samples-per-prompt {rollout.n_samples_per_prompt} = {total} "
             f"must equal --global-batch-size {train.global_batch_size} x --num-steps-per-rollout {train.num_steps_per_rollout}"
         )
-    if train.micro_batch_size > train.global_batch_size:
-        train.micro_batch_size = train.global_batch_size
-    if algo.advantage_estimator in ("grpo", "gspo", "rloo") and rollout.n_samples_per_prompt < 2:
-        raise ConfigError(
-            f"--advantage-estimator {algo.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"
-        )
-    critic_flags = {
-        "--critic-model": algo.critic_model,
-        "--critic-lr": algo.critic_lr,
-        "--critic-warmup": algo.critic_warmup,
-    }
-    if algo.advantage_estimator != "ppo" and (given := [f for f, v in critic_flags.items() if v]):
-        raise ConfigError(f"{given[0]} sets up the PPO critic; add --advantage-estimator ppo or remove it")
-    if algo.advantage_estimator == "ppo" and algo.critic_warmup >= rollout.num_rollout:
-        raise ConfigError(
-            f"--critic-warmup {algo.critic_warmup} leaves no rollout of the {rollout.num_rollout} to train the policy"
-        )
-    if algo.tis_threshold is not None:
-        algo.use_tis = True
-    if rollout.rollout_top_k == 0:
-        raise ConfigError("--rollout-top-k must be -1 (off) or >= 1, got 0")
-    if algo.kl_loss_coef > 0 and not algo.use_kl_loss:
-        raise ConfigError(
-            f"--kl-loss-coef {algo.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
-            "(or use --kl-coef for the KL penalty in the reward)"
-        )
-    if algo.tis_clip_low > algo.tis_clip:
-        raise ConfigError(f"--tis-clip-low {algo.tis_clip_low} is above --tis-clip {algo.tis_clip}")
-    validate_precision(cfg)
-    validate_speculative(cfg)
-    validate_moe(cfg)
-    validate_co_evolution(cfg)
-    validate_sglang(cfg)
-    if rollout.partial_rollout and cfg.sync.rollout_num_gpus_per_engine > 1:
-        raise ConfigError(
-            "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "
-            "mid-rollout is not built yet; use one device per engine"
-        )
-    if rollout.mask_offpolicy_in_partial_rollout and not rollout.partial_rollout:
-        raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-    if train.min_lr > train.lr:
-        raise ConfigError(f"--min-lr {train.min_lr} is above --lr {train.lr}")
-    ckpt, logging_cfg = cfg.checkpoint, cfg.logging
-    debug = cfg.debug
-    if debug.save_debug_rollout_data and "{rollout_id}" not in debug.save_debug_rollout_data:
-        raise ConfigError(
-            f"--save-debug-rollout-data {debug.save_debug_rollout_data}: the pattern needs {{rollout_id}}, "
-            "e.g. runs/x/rollout_{rollout_id}.pt (one file per rollout)"
-        )
-    if debug.debug_train_only != bool(debug.load_debug_rollout_data):
-        raise ConfigError(
-            "--debug-train-only and --load-debug-rollout-data go together: the train-only run reads the saved "
-            "rollouts from that pattern"
-        )
-    if debug.debug_train_only and debug.debug_rollout_only:
-        raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other")
-    if debug.debug_train_only and (
-        cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node > 1
-        or (cfg.sync.rollout_num_gpus or 1) > 1
-    ):
-        raise ConfigError("--debug-train-only runs in one process: drop the Ray layout flags")
-    if cfg.debug.debug_rollout_only and (ckpt.save or ckpt.save_hf):
-        raise ConfigError(
-            "--debug-rollout-only never trains, so there is nothing to --save / --save-hf; drop one of them"
-        )
-    for flag, value in (
-        ("--output-dir", logging_cfg.output_dir),
-        ("--save", ckpt.save),
-        ("--save-hf", ckpt.save_hf),
-        ("--profile-dir", logging_cfg.profile_dir),
-    ):
-        if value and Path(value).exists() and not Path(value).is_dir():
-            raise ConfigError(f"{flag} {value}: is a file; give a directory (it is created when missing)")
-    if ckpt.load and not ckpt.resume_if_present:
-        load = Path(ckpt.load)
-        if not load.is_dir():
-            raise ConfigError(
-                f"--load {ckpt.load}: no such directory. To start from scratch when no checkpoint exists yet "
-                "(a preemptible job that resumes itself), add --resume-if-present"
-            )
-        if not (load / "latest").exists():
-            raise ConfigError(
-                f"--load {ckpt.load}: holds no checkpoint (no 'latest' file written by --save). To start from "
-                "scratch when none exists yet, add --resume-if-present"
-            )
-    if cfg.data.task and cfg.data.prompt_data:
-        raise ConfigError("give --task or --prompt-data, not both")
-    for flag, value in (
-        ("--prompt-data", cfg.data.prompt_data),
-        ("--eval-prompt-data", cfg.data.eval_prompt_data),
-    ):
-        if value and not Path(value).is_file():
-            raise ConfigError(f"{flag} {value}: no such file")
-    if (
-        rollout.over_sampling_batch_size is not None
-        and rollout.over_sampling_batch_size < rollout.rollout_batch_size
-    ):
-        raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
-    sync = cfg.sync
-    if sync.async_weight_sync and sync.max_staleness < 1:
-        raise ConfigError(
-            "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
-        )
-    if (
-        sync.rollout_num_gpus_per_engine < 1
-        or (sync.rollout_num_gpus or 1) % sync.rollout_num_gpus_per_engine
-    ):
-        raise ConfigError(
-            f"--rollout-num-gpus ({sync.rollout_num_gpus or 1}) must be a multiple of --rollout-num-gpus-per-engine "
-            f"({sync.rollout_num_gpus_per_engine}): each engine takes that many devices"
-        )
-    if (
-        sync.actor_num_nodes < 1
-        or sync.actor_num_gpus_per_node < 1
-        or (sync.rollout_num_gpus is not None and sync.rollout_num_gpus < 1)
-    ):
-        raise ConfigError("--actor-num-nodes, --actor-num-gpus-per-node and --rollout-num-gpus must be >= 1")
-    world = sync.actor_num_nodes * sync.actor_num_gpus_per_node
+    train.micro_batch_size = min(train.micro_batch_size, train.global_batch_size)
+    world = cfg.sync.training_ranks
     if world > 1 and train.global_batch_size % world:
         raise ConfigError(
             f"--global-batch-size {train.global_batch_size} must split evenly over the {world} training ranks "
             "(--actor-num-nodes x --actor-num-gpus-per-node)"
         )
-    if sync.colocate and sync.async_weight_sync:
+    if algo.advantage_estimator in ("grpo", "gspo", "rloo") and rollout.n_samples_per_prompt < 2:
         raise ConfigError(
-            "--colocate with --async-weight-sync: colocated rollout and training take turns on the same devices, "
-            "so rollout N+1 cannot overlap training N; drop one of them"
+            f"--advantage-estimator {algo.advantage_estimator} compares samples of a prompt: --n-samples-per-prompt must be >= 2"
         )
-    if sync.colocate and world > 1 and (sync.rollout_num_gpus or 1) != world:
+    if algo.advantage_estimator == "ppo" and algo.critic_warmup >= rollout.num_rollout:
         raise ConfigError(
-            f"--colocate runs one engine on each training device: --rollout-num-gpus must be {world} "
-            "(--actor-num-nodes x --actor-num-gpus-per-node)"
+            f"--critic-warmup {algo.critic_warmup} leaves no rollout of the {rollout.num_rollout} to train the policy"
+        )
+
+
+def validate_layout(cfg: RunConfig) -> None:
+    """What a run's processes and devices allow."""
+    sync, debug = cfg.sync, cfg.debug
+    if cfg.rollout.partial_rollout and sync.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            "--partial-rollout with --rollout-num-gpus-per-engine > 1: stopping a tensor-parallel engine "
+            "mid-rollout is not built yet; use one device per engine"
+        )
+    if debug.debug_train_only and (sync.training_ranks > 1 or (sync.rollout_num_gpus or 1) > 1):
+        raise ConfigError("--debug-train-only runs in one process: drop the Ray layout flags")
+    if debug.debug_rollout_only and (cfg.checkpoint.save or cfg.checkpoint.save_hf):
+        raise ConfigError(
+            "--debug-rollout-only never trains, so there is nothing to --save / --save-hf; drop one of them"
         )
     if cfg.model.device == "cuda" and not _cuda_visible():
         raise ConfigError(
             "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); use --device cpu"
         )
-    if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
-        cfg.logging.log_level = "DEBUG"
-    if cfg.logging.profile_dir:
-        cfg.logging.profile = True  # asking where profiles go asks for one
+
+
+def validate(given: RunConfig) -> RunConfig:
+    """Check every setting, before any work; return the resolved configuration (the global
+    batch, a capped micro-batch, what flags imply). `given` itself is left as it was. Each
+    section checks its own fields (`check`); the rules here span sections."""
+    cfg = copy.deepcopy(given)
+    check_fields(cfg)
+    for section in dataclasses.fields(cfg):
+        check = getattr(getattr(cfg, section.name), "check", None)
+        if check is not None:
+            check()
+    resolve_batches(cfg)
+    validate_precision(cfg)
+    validate_speculative(cfg)
+    validate_moe(cfg)
+    validate_co_evolution(cfg)
+    validate_sglang(cfg)
+    validate_layout(cfg)
     return cfg
 
 

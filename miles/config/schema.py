@@ -7,11 +7,17 @@ use the same names in snake_case, flat or nested by section.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from miles.config.fields import (
-    option,
-)
+from miles.config.fields import option
+from miles.errors import ConfigError
+
+
+def _directory_or_absent(flag: str, value: str | None) -> None:
+    if value and Path(value).exists() and not Path(value).is_dir():
+        raise ConfigError(f"{flag} {value}: is a file; give a directory (it is created when missing)")
 
 
 @dataclass
@@ -58,6 +64,16 @@ class DataSection:
     eval_interval: int = option(
         10, "evaluate every N rollouts (0: only at the start and the end)", bounds="[0, inf)"
     )
+
+    def check(self) -> None:
+        if self.task and self.prompt_data:
+            raise ConfigError("give --task or --prompt-data, not both")
+        for flag, value in (
+            ("--prompt-data", self.prompt_data),
+            ("--eval-prompt-data", self.eval_prompt_data),
+        ):
+            if value and not Path(value).is_file():
+                raise ConfigError(f"{flag} {value}: no such file")
 
 
 @dataclass
@@ -112,6 +128,17 @@ class RolloutSection:
     def decode_options(self) -> dict[str, str]:
         """The Engine keyword arguments that choose its decode step (every engine, local or Ray)."""
         return dict(decode_step=self.rollout_decode_step)
+
+    def check(self) -> None:
+        if self.rollout_top_k == 0:
+            raise ConfigError("--rollout-top-k must be -1 (off) or >= 1, got 0")
+        if (
+            self.over_sampling_batch_size is not None
+            and self.over_sampling_batch_size < self.rollout_batch_size
+        ):
+            raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
 
 
 @dataclass
@@ -236,6 +263,31 @@ class AlgoSection:
         "under any padding (slower: see docs/moe.md)",
     )
 
+    def check(self) -> None:
+        """Its own rules; --tis-threshold implies --use-tis."""
+        critic_flags = {
+            "--critic-model": self.critic_model,
+            "--critic-lr": self.critic_lr,
+            "--critic-warmup": self.critic_warmup,
+        }
+        if self.advantage_estimator != "ppo" and (given := [f for f, v in critic_flags.items() if v]):
+            raise ConfigError(
+                f"{given[0]} sets up the PPO critic; add --advantage-estimator ppo or remove it"
+            )
+        if self.tis_threshold is not None:
+            self.use_tis = True
+        if self.kl_loss_coef > 0 and not self.use_kl_loss:
+            raise ConfigError(
+                f"--kl-loss-coef {self.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
+                "(or use --kl-coef for the KL penalty in the reward)"
+            )
+        if self.tis_clip_low > self.tis_clip:
+            raise ConfigError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}")
+        if self.r3_buffer_size is not None and not self.use_r3:
+            raise ConfigError(
+                "--r3-buffer-size bounds the routing records kept for replay; add --use-r3 or remove it"
+            )
+
 
 @dataclass
 class TrainSection:
@@ -322,6 +374,18 @@ class TrainSection:
         "to the device for its forward and again for its backward (recomputed), one layer at a time",
     )
 
+    def check(self) -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.expert_model_parallel_size > 1 and self.data_parallel == "fsdp":
+            raise ConfigError(
+                "--expert-model-parallel-size with --data-parallel fsdp: FSDP already shards the experts; use one of them"
+            )
+        if self.offload_experts and self.data_parallel == "fsdp":
+            raise ConfigError(
+                "--offload-experts with --data-parallel fsdp: FSDP2 owns the parameters' placement; use ddp"
+            )
+
 
 @dataclass
 class CheckpointSection:
@@ -342,6 +406,21 @@ class CheckpointSection:
     )
     save_interval: int = option(0, "save every N rollouts (0: only at the end)", bounds="[0, inf)")
     save_hf: str | None = option(None, "export the final policy as a Hugging Face checkpoint here")
+
+    def check(self) -> None:
+        for flag, value in (("--save", self.save), ("--save-hf", self.save_hf)):
+            _directory_or_absent(flag, value)
+        if self.load and not self.resume_if_present:
+            if not Path(self.load).is_dir():
+                raise ConfigError(
+                    f"--load {self.load}: no such directory. To start from scratch when no checkpoint exists yet "
+                    "(a preemptible job that resumes itself), add --resume-if-present"
+                )
+            if not (Path(self.load) / "latest").exists():
+                raise ConfigError(
+                    f"--load {self.load}: holds no checkpoint (no 'latest' file written by --save). To start from "
+                    "scratch when none exists yet, add --resume-if-present"
+                )
 
 
 @dataclass
@@ -364,6 +443,15 @@ class LoggingSection:
         "miles.train / miles.sync: trace.json for Perfetto or chrome://tracing, and summary.txt, the top operators",
     )
     profile_dir: str | None = option(None, "where --profile writes (default: <run dir>/profile)")
+
+    def check(self) -> None:
+        """Its own rules; MILES_DEBUG implies DEBUG, --profile-dir implies --profile."""
+        for flag, value in (("--output-dir", self.output_dir), ("--profile-dir", self.profile_dir)):
+            _directory_or_absent(flag, value)
+        if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
+            self.log_level = "DEBUG"
+        if self.profile_dir:
+            self.profile = True  # asking where profiles go asks for one
 
 
 @dataclass
@@ -544,6 +632,32 @@ class SyncSection:
         bounds="[1, inf)",
     )
 
+    @property
+    def training_ranks(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def check(self) -> None:
+        if self.async_weight_sync and self.max_staleness < 1:
+            raise ConfigError(
+                "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
+            )
+        if (self.rollout_num_gpus or 1) % self.rollout_num_gpus_per_engine:
+            raise ConfigError(
+                f"--rollout-num-gpus ({self.rollout_num_gpus or 1}) must be a multiple of --rollout-num-gpus-per-engine "
+                f"({self.rollout_num_gpus_per_engine}): each engine takes that many devices"
+            )
+        if self.colocate and self.async_weight_sync:
+            raise ConfigError(
+                "--colocate with --async-weight-sync: colocated rollout and training take turns on the same devices, "
+                "so rollout N+1 cannot overlap training N; drop one of them"
+            )
+        world = self.training_ranks
+        if self.colocate and world > 1 and (self.rollout_num_gpus or 1) != world:
+            raise ConfigError(
+                f"--colocate runs one engine on each training device: --rollout-num-gpus must be {world} "
+                "(--actor-num-nodes x --actor-num-gpus-per-node)"
+            )
+
 
 @dataclass
 class CoEvolutionSection:
@@ -610,6 +724,20 @@ class DebugSection:
     load_debug_rollout_data: str | None = option(
         None, "the --save-debug-rollout-data pattern a --debug-train-only run reads"
     )
+
+    def check(self) -> None:
+        if self.save_debug_rollout_data and "{rollout_id}" not in self.save_debug_rollout_data:
+            raise ConfigError(
+                f"--save-debug-rollout-data {self.save_debug_rollout_data}: the pattern needs {{rollout_id}}, "
+                "e.g. runs/x/rollout_{rollout_id}.pt (one file per rollout)"
+            )
+        if self.debug_train_only != bool(self.load_debug_rollout_data):
+            raise ConfigError(
+                "--debug-train-only and --load-debug-rollout-data go together: the train-only run reads the saved "
+                "rollouts from that pattern"
+            )
+        if self.debug_train_only and self.debug_rollout_only:
+            raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other")
 
 
 @dataclass

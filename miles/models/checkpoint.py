@@ -136,17 +136,13 @@ def load_model(
     make_linear: LinearFactory = default_linear,
     tp: tuple[int, int] | None = None,
 ) -> Transformer:
-    """Load a Hugging Face checkpoint directory or a `.gguf` file into a miles `Transformer`.
+    """Load a Hugging Face checkpoint directory into a miles `Transformer` (a `.gguf` file:
+    `miles.models.gguf`, through `registry.load`).
     With `tp` = (rank, world): that rank's tensor-parallel part, reading only its slices of the
     split tensors (the whole model is never built; forward needs the engine's process group)."""
     from miles.models.tensor_parallel import shard_model
 
     path = Path(path)
-    if path.suffix == ".gguf":
-        from miles.models.gguf import load_gguf
-
-        model = load_gguf(path, device=device, dtype=dtype, make_linear=make_linear)
-        return shard_model(model, *tp) if tp is not None else model
     config = read_config(path)
     files = tensor_files(path)
     state = read_tensors(path, files, files.keys(), tp=tp)

@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from miles.errors import CheckpointError
+from miles.models.checkpoint import SINGLE_FILE, load_state_dict_into, save_model
 from miles.models.config import ModelConfig
 from miles.models.linear import LinearFactory, default_linear
+from miles.models.tokenizer import load_tokenizer
 from miles.models.transformer import Transformer
 
 log = logging.getLogger("miles")
@@ -47,9 +49,6 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
 def gguf_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory holding the GGUF file's model, converted on first use and cached
     (the GGUF file itself when the cache cannot be written)."""
-    from miles.models.checkpoint import SINGLE_FILE, save_model
-    from miles.models.tokenizer import load_tokenizer
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path}: no such file")
@@ -93,8 +92,6 @@ def load_gguf(
 
 def from_hf_model(hf_model, source: str, make_linear: LinearFactory = default_linear) -> Transformer:
     """A miles Transformer holding a loaded transformers model's weights (no second read of the file)."""
-    from miles.models.checkpoint import load_state_dict_into
-
     config = ModelConfig.from_hf_dict(hf_model.config.to_dict(), source=source)
     model = Transformer(config, make_linear)
     load_state_dict_into(model, dict(hf_model.state_dict()), source)

@@ -13,6 +13,7 @@ import torch
 from miles.errors import CheckpointError
 from miles.models.checkpoint import load_model, read_config
 from miles.models.config import tiny_moe_config
+from miles.models.gguf import gguf_checkpoint, load_gguf, smollm2_gguf_path
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.tokenizer import byte_tokenizer, load_tokenizer
 from miles.models.transformer import Transformer
@@ -25,8 +26,6 @@ NAMES = ("tiny", "tiny-random", "smollm2")
 def model_path(spec: str) -> Path | None:
     """The file or directory a model name or path stands for (None: the random tiny model)."""
     if spec == "smollm2":
-        from miles.models.gguf import gguf_checkpoint, smollm2_gguf_path
-
         return gguf_checkpoint(smollm2_gguf_path())
     if spec == "tiny":
         return TINY_BASE if (TINY_BASE / "config.json").exists() else None
@@ -39,8 +38,6 @@ def model_path(spec: str) -> Path | None:
             f"a .gguf file, or one of {list(NAMES)}"
         )
     if path.suffix == ".gguf":
-        from miles.models.gguf import gguf_checkpoint
-
         return gguf_checkpoint(path)
     return path
 
@@ -53,7 +50,7 @@ def context_length(spec: str) -> int:
     if path is None:
         return tiny_moe_config(vocab_size=len(byte_tokenizer())).max_position_embeddings
     if path.suffix == ".gguf":  # the cache could not be written: the weights tell
-        return load_model(path).config.max_position_embeddings
+        return load_gguf(path).config.max_position_embeddings
     return read_config(path).max_position_embeddings
 
 
@@ -93,4 +90,9 @@ def load(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     )
     tokenizer = load_tokenizer(path) if has_tokenizer else None  # token-id-only use needs none
+    if path.suffix == ".gguf":  # the converted copy could not be cached: from the file itself
+        from miles.models.tensor_parallel import shard_model
+
+        model = load_gguf(path, device=device, make_linear=make_linear)
+        return (shard_model(model, *tp) if tp is not None else model), tokenizer
     return load_model(path, device=device, make_linear=make_linear, tp=tp), tokenizer

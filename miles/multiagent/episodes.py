@@ -21,10 +21,11 @@ agent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,7 +33,10 @@ from miles.data.sample import Sample, Status
 from miles.rollout import Engine, Request, SamplingParams
 
 
+@runtime_checkable
 class Environment(Protocol):
+    """A turn-based environment: `play` runs its episodes."""
+
     agents: tuple[str, ...]
 
     def reset(self) -> Any: ...
@@ -40,6 +44,77 @@ class Environment(Protocol):
     def observe(self, state: Any, agent: str) -> str: ...
     def act(self, state: Any, agent: str, text: str) -> str: ...
     def rewards(self, state: Any) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class PlaysItsOwnEpisodes(Protocol):
+    """An environment that runs its episodes itself (e.g. a proposer and a solver in turn),
+    called like `play` without its first argument."""
+
+    agents: tuple[str, ...]
+
+    def play(self, engines, tokenizer, n_episodes: int, params: SamplingParams, seed: int | None = None): ...
+
+
+@runtime_checkable
+class WarmsUpActions(Protocol):
+    """Legal action strings and prompts to teach them (--action-warmup-steps)."""
+
+    action_tokens: Sequence[str]
+
+    def warmup_prompts(self, agent: str) -> list[str]: ...
+
+
+@runtime_checkable
+class TracksPolicies(Protocol):
+    """An environment with an exact evaluation of the agents' policies (Kuhn Poker's
+    exploitability); its tracker's state is checkpointed with the run."""
+
+    def tracker(self) -> Any: ...
+
+
+@runtime_checkable
+class ReportsEpisodeMetrics(Protocol):
+    def episode_metrics(self, states: list[Any]) -> dict[str, float]: ...
+
+
+ENV_SIZES = {"max_new_tokens": 1, "max_seq_len": 512, "requests_per_episode": 1}  # optional, defaults
+
+
+@dataclass
+class EnvSpec:
+    """What the multi-agent loop uses of an environment, resolved once when the run is built:
+    how its episodes run, its optional capabilities, and its sizes (class attributes with
+    defaults: `max_new_tokens` 1, `max_seq_len` 512, `requests_per_episode` 1)."""
+
+    env: Any
+    episodes: Callable
+    warms_up: bool
+    tracker: Any
+    episode_metrics: Callable[[list[Any]], dict[str, float]] | None
+    max_new_tokens: int
+    max_seq_len: int
+    requests_per_episode: int
+
+    @classmethod
+    def of(cls, env: Any) -> EnvSpec:
+        if isinstance(env, PlaysItsOwnEpisodes):
+            episodes = env.play
+        elif isinstance(env, Environment):
+            episodes = functools.partial(play, env)
+        else:
+            raise TypeError(
+                "neither turn-based (agents, reset, current, observe, act, rewards) nor `agents` + `play`"
+            )
+        sizes = {k: getattr(env, k, default) for k, default in ENV_SIZES.items()}
+        return cls(
+            env=env,
+            episodes=episodes,
+            warms_up=isinstance(env, WarmsUpActions),
+            tracker=env.tracker() if isinstance(env, TracksPolicies) else None,
+            episode_metrics=env.episode_metrics if isinstance(env, ReportsEpisodeMetrics) else None,
+            **sizes,
+        )
 
 
 @dataclass

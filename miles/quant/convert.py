@@ -21,9 +21,9 @@ import torch.nn as nn
 
 from miles.errors import ConfigError
 from miles.models.routing import apply_routing, routing_options
+from miles.quant.fp8_linear import FP8Linear, FP8Spec, QuantizedLinear
 from miles.quant.int4 import divisors
 from miles.quant.int4_linear import Int4Linear
-from miles.quant.linear import FP8Linear, FP8Spec, QuantizedLinear
 
 QUANTIZED = "*_proj"  # q/k/v/o, gate/up/down (dense MLP and experts); never mlp.gate (the router)
 INT4_ENV = ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "OPEN_TRAINING_INT4_GROUP_SIZE")
@@ -180,9 +180,9 @@ def prepare_rollout_model(model: nn.Module, cfg) -> nn.Module:
     return model
 
 
-def prepare_train_model(model: nn.Module, cfg) -> nn.Module:
+def quantize_train_model(model: nn.Module, cfg) -> nn.Module:
     """The trainer's model: FP8 forward GEMMs (unified FP8) or INT4 fake-quant weights (--int4-qat)
-    over fp32 master weights."""
+    over fp32 master weights, and the run's routing options."""
     precision = cfg.precision
     spec = spec_for(precision)
     if precision.int4_qat:
@@ -190,10 +190,6 @@ def prepare_train_model(model: nn.Module, cfg) -> nn.Module:
     elif spec is not None and not precision.fp8_rollout_only:
         to_fp8(model, spec, skip_patterns(precision.fp8_skip_layers), False, start_mode(cfg))
     apply_routing(model, routing_options(cfg))  # after the swaps: only full-precision layers are tiled
-    if cfg.train.offload_experts:
-        from miles.train.expert_offload import offload_experts
-
-        offload_experts(model)
     return model
 
 
@@ -260,7 +256,7 @@ __all__ = [
     "fp8_layers",
     "fp8_metrics",
     "prepare_rollout_model",
-    "prepare_train_model",
+    "quantize_train_model",
     "set_mode",
     "to_fp8",
     "to_int4",

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from miles.quant.fp8 import round_bf16
+from miles.quant.fp8_linear import QuantizedLinear
 from miles.quant.int4 import (
     dequantize_int4,
     fake_quantize_int4,
@@ -29,7 +30,6 @@ from miles.quant.int4 import (
     to_kernel_layout,
     unpack_int4,
 )
-from miles.quant.linear import QuantizedLinear
 
 
 class Int4Linear(QuantizedLinear):

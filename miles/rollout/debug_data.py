@@ -65,29 +65,11 @@ class ReplayRollout:
     def generate(self, requests: Sequence[Request]) -> list[Sample]:
         raise MilesError("--debug-train-only has no engine to generate with")
 
-    def release_memory(self) -> int:
-        return 0
-
-    def states(self) -> list[dict[str, torch.Tensor]]:
-        return []
-
     def node_ids(self) -> list[str]:
         return []
 
     def peak_memory(self) -> list[dict[str, int]]:
         return []
-
-    def update_draft(self, state) -> None:
-        """No engine: no draft."""
-
-    def take_spec_stats(self) -> None:
-        return None
-
-    def take_times(self) -> None:
-        return None
-
-    def set_precision(self, mode: str) -> None:
-        """No engine: nothing computes rollouts here."""
 
     def shutdown(self) -> None:
         pass

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from miles.data.sample import Sample, Status
+from miles.diagnostics.memory import weight_memory
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.rollout.sampling import Sampler, SamplingParams, scale_by_temperature
@@ -305,8 +306,6 @@ class Engine:
 
     def peak_memory(self) -> list[dict[str, int]]:
         """Its weights by dtype; its peak RSS is the driver's (`mem_driver_*`): it shares the process."""
-        from miles.runtime.memory import weight_memory
-
         return [weight_memory(self.model)]
 
     def shutdown(self) -> None:

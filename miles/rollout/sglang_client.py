@@ -351,7 +351,7 @@ class SGLangRollout:
         import socket
         from urllib.parse import urlparse
 
-        from miles.runtime.placement import free_port
+        from miles.sync.group import free_port
         from miles.sync.sglang_group import GROUP_NAME, init_custom_process_group
 
         address = self.master_address
@@ -410,29 +410,11 @@ class SGLangRollout:
         return out
 
     # -- the rest of the Rollout interface ----------------------------------------------------
-    def release_memory(self) -> int:
-        return 0  # the servers manage their own memory
-
     def node_ids(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    def set_precision(self, mode: str) -> None:
-        log.info(
-            "--rollout-backend sglang: the servers keep their own precision (miles' trainer is now in %s)",
-            mode,
-        )
-
     def peak_memory(self) -> list[dict[str, int]]:
-        return []
-
-    def update_draft(self, state: dict[str, torch.Tensor]) -> None:
-        raise ServerError("--rollout-backend sglang: speculative decoding is configured on the SGLang server")
-
-    def take_spec_stats(self):
-        return None
-
-    def take_times(self):
-        return None  # the server's own time is not ours to split
+        return []  # the servers' memory is not this process's to read
 
     def shutdown(self) -> None:
         """The servers are not ours to stop; a Ray placement of the training ranks is."""

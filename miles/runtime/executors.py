@@ -12,15 +12,17 @@ import logging
 from dataclasses import dataclass
 
 from miles.config.schema import RunConfig
+from miles.errors import ConfigError
 from miles.models.checkpoint import hf_state_dict
-from miles.quant.convert import check_at_start, prepare_rollout_model, prepare_train_model
+from miles.quant.convert import check_at_start, prepare_rollout_model
 from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.drafts import speculator_for
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
-from miles.runtime.protocols import Rollout, Trainer
+from miles.runtime.protocols import HostsDraft, ReadsWeightsBack, ReleasesMemory, Rollout, Trainer
 from miles.sync.strategy import WeightSync, weight_sync_for
 from miles.train.policy_trainer import PolicyTrainer
+from miles.train.prepare import prepare_train_model
 
 log = logging.getLogger("miles")
 
@@ -41,9 +43,49 @@ def on_ray(cfg: RunConfig) -> bool:
     )
 
 
+def rollout_class(cfg: RunConfig) -> type:
+    """The `Rollout` implementation a run's flags build."""
+    if cfg.sglang.rollout_backend == "sglang":
+        from miles.rollout.sglang_client import SGLangRollout
+
+        return SGLangRollout
+    if cfg.debug.debug_train_only:
+        return ReplayRollout
+    if on_ray(cfg):
+        from miles.runtime.ray_rollout import RolloutManager
+
+        return RolloutManager
+    return Engine
+
+
+def _implements(cls: type, capability: type) -> bool:
+    members = [n for n, v in vars(capability).items() if callable(v) and not n.startswith("_")]
+    return all(callable(getattr(cls, name, None)) for name in members)
+
+
+# (whether the run asks for it, the capability its rollout needs, the flag that asks)
+ROLLOUT_NEEDS = (
+    (lambda cfg: cfg.sync.colocate, ReleasesMemory, "--colocate"),
+    (lambda cfg: cfg.sync.check_weight_update_equal, ReadsWeightsBack, "--check-weight-update-equal"),
+    (lambda cfg: cfg.speculative.draft_model is not None, HostsDraft, "--draft-model"),
+)
+
+
+def check_capabilities(cfg: RunConfig) -> None:
+    """Refuse, before anything is built, a flag whose capability the run's rollout lacks."""
+    cls = rollout_class(cfg)
+    for asked, capability, flag in ROLLOUT_NEEDS:
+        if asked(cfg) and not _implements(cls, capability):
+            what = (capability.__doc__ or capability.__name__).strip().rstrip(".")
+            raise ConfigError(
+                f"{flag} needs {what[0].lower() + what[1:]}; this run's rollout ({cls.__name__}) is not one"
+            )
+
+
 def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=None) -> Executor:
     """The trainer/rollout pair for --actor-num-nodes x --actor-num-gpus-per-node training ranks
     and --rollout-num-gpus engine devices, and the weight sync between them."""
+    check_capabilities(cfg)
     sync_cfg, rollout_cfg = cfg.sync, cfg.rollout
     ranks, devices = (
         sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,

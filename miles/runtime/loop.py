@@ -20,6 +20,7 @@ from miles.algo.filters import GroupFilter, nonconstant_reward
 from miles.config import to_dict
 from miles.config.schema import RunConfig
 from miles.data.run_data import RunData, build_data
+from miles.diagnostics.memory import describe_bytes, memory_metrics, step_peak_memory
 from miles.errors import ConfigError, MilesError
 from miles.models import registry
 from miles.models.checkpoint import save_model
@@ -32,10 +33,9 @@ from miles.rollout.groups import collect_groups, evaluate
 from miles.rollout.partial import PartialRollout
 from miles.runtime.devices import resolve_device
 from miles.runtime.executors import build_executor, on_ray
-from miles.runtime.memory import describe_bytes, memory_metrics, step_peak_memory
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
-from miles.runtime.protocols import Rollout, Trainer
+from miles.runtime.protocols import ReportsEngineTimes, Rollout, SwitchesPrecision, Trainer
 from miles.runtime.speculation import OnlineDraft
 from miles.runtime.train_state import resume, save_checkpoint
 from miles.sync.strategy import WeightSync
@@ -66,11 +66,10 @@ class Run:
 
 
 def train(cfg: RunConfig) -> Path:
-    """Run `miles train` with a resolved configuration; returns the run directory."""
+    """Train one policy with a resolved configuration; returns the run directory. (`miles.run.train`
+    also runs multi-agent environments.)"""
     if cfg.co_evolution.env_path:
-        from miles.multiagent.loop import train_agents
-
-        return train_agents(cfg)
+        raise MilesError("--env-path runs several agents: call miles.run.train, which dispatches to them")
     context = registry.context_length(cfg.model.model)
     if cfg.rollout.rollout_max_response_len >= context:
         raise ConfigError(
@@ -183,8 +182,8 @@ def run_loop(run: Run) -> Path:
         last = rollout_id == total - 1
         if run.data.eval_items and (last or due(cfg.data.eval_interval, rollout_id)):
             step.update(feed.evaluate())
-        times = run.rollout.take_times()  # the engines' prefill/decode split of their time
-        if times is not None:
+        times = run.rollout.take_times() if isinstance(run.rollout, ReportsEngineTimes) else None
+        if times is not None:  # the engines' prefill/decode split of their time
             step.update(times.metrics())
         log_step(run, rollout_id, step)
         profiler.step()
@@ -225,7 +224,8 @@ def switch_precision(run: Run, rollout_id: int) -> dict[str, float]:
     if mode != run.precision_mode:
         if run.precision_mode or mode != start_mode(run.cfg):
             run.trainer.set_precision(mode)
-            run.rollout.set_precision(mode)
+            if isinstance(run.rollout, SwitchesPrecision):  # SGLang servers keep their own precision
+                run.rollout.set_precision(mode)
             # the engines re-quantize from the trainer's fp32 weights, not from what they held
             run.sync.push(run.rollout.weight_version)
             log.info("rollout %d: %s layers now compute in %s", rollout_id, kind.upper(), mode)

@@ -1,19 +1,25 @@
-"""The two interfaces the RL loop drives; each is implemented in-process and on Ray.
+"""The interfaces the RL loop drives; each core one is implemented in-process and on Ray.
 
 - `Trainer`: `miles.train.policy_trainer.PolicyTrainer` (this process) and
   `miles.runtime.ray_train.RayTrainer` (data-parallel ranks).
-- `Rollout`: `miles.rollout.engine.Engine` (this process) and
-  `miles.runtime.ray_rollout.RolloutManager` (engine actors).
+- `Rollout`: `miles.rollout.engine.Engine` (this process), `miles.runtime.ray_rollout.RolloutManager`
+  (engine actors), `miles.rollout.sglang_client.SGLangRollout` (SGLang servers) and
+  `miles.rollout.debug_data.ReplayRollout` (saved rollouts, no engine).
 
-A new capability plugs in as one more class behind one of these (a speculative engine is a
-`Rollout`, an expert-parallel group a `Trainer`) and one more `miles.sync.strategy` class when
-its weights travel differently; the loop does not change.
+The core protocols hold what every implementation really has. What only some have is a small
+capability protocol of its own (freeing memory for a colocated trainer, reading weights back,
+switching precision, hosting a speculative draft, reporting engine times);
+`miles.runtime.executors.check_capabilities` checks once, when the run is built, that the run's
+flags ask only for capabilities its trainer and rollout have, and the loop asks `isinstance`
+where a capability is optional. A new capability plugs in as one more class behind these, and
+one more `miles.sync.strategy` class when its weights travel differently; the loop does not
+change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -33,23 +39,13 @@ class Trainer(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
-    def offload(self) -> int: ...
-
-    def onload(self) -> int: ...
-
     def sync_policy(self) -> None: ...
 
     def hf_weights(self) -> dict[str, torch.Tensor]: ...
 
-    def share_weights(self) -> None: ...
-
-    def weight_handles(self) -> bytes | None: ...
-
     def node_ids(self) -> list[str]: ...
 
     def peak_memory(self) -> list[dict[str, int]]: ...
-
-    def set_precision(self, mode: str) -> None: ...
 
 
 class Rollout(Protocol):
@@ -61,20 +57,64 @@ class Rollout(Protocol):
 
     def generate(self, requests: Sequence[Request]) -> list[Sample]: ...
 
+    def node_ids(self) -> list[str]: ...
+
+    def peak_memory(self) -> list[dict[str, int]]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Offloads(Protocol):
+    """A trainer that hands its device to colocated engines (--colocate)."""
+
+    def offload(self) -> int: ...
+
+    def onload(self) -> int: ...
+
+
+@runtime_checkable
+class SharesWeights(Protocol):
+    """A trainer whose weights engines map in place (--use-zero-copy-sync)."""
+
+    def share_weights(self) -> None: ...
+
+    def weight_handles(self) -> bytes | None: ...
+
+
+@runtime_checkable
+class ReleasesMemory(Protocol):
+    """A rollout that frees its KV cache for a colocated trainer (--colocate)."""
+
     def release_memory(self) -> int: ...
+
+
+@runtime_checkable
+class ReadsWeightsBack(Protocol):
+    """A rollout whose served weights can be read back (--check-weight-update-equal)."""
 
     def states(self) -> list[dict[str, torch.Tensor]]: ...
 
-    def node_ids(self) -> list[str]: ...
+
+@runtime_checkable
+class SwitchesPrecision(Protocol):
+    """Trainer or rollout whose FP8/INT4 layers switch between bf16 and low precision
+    (--warmup-precision)."""
 
     def set_precision(self, mode: str) -> None: ...
 
-    def peak_memory(self) -> list[dict[str, int]]: ...
+
+@runtime_checkable
+class HostsDraft(Protocol):
+    """A rollout that decodes speculatively with a draft it can be sent (--draft-model)."""
 
     def update_draft(self, state: dict[str, torch.Tensor]) -> None: ...
 
     def take_spec_stats(self): ...  # SpecStats | None: speculative-decoding counts since the last call
 
-    def take_times(self): ...  # EngineTimes | None: prefill and decode-step seconds since the last call
 
-    def shutdown(self) -> None: ...
+@runtime_checkable
+class ReportsEngineTimes(Protocol):
+    """A rollout that splits its engines' time into prefill and decode steps (engine_* metrics)."""
+
+    def take_times(self): ...  # EngineTimes | None: prefill and decode-step seconds since the last call

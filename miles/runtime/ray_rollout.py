@@ -187,7 +187,7 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     def peak_memory(self) -> dict[str, int]:
-        from miles.runtime.memory import step_peak_memory, weight_memory
+        from miles.diagnostics.memory import step_peak_memory, weight_memory
 
         return step_peak_memory(self.device) | weight_memory(self.engine.model)
 

@@ -95,7 +95,7 @@ class TrainerActor(GroupSender):
                 value_model(policy, cfg.algo.critic_model, cfg.train.seed).to(device), cfg, world
             )
             self.critic.grad_sync = lambda finite: all_reduce_gradients(self.critic.model, finite)
-        from miles.quant.convert import prepare_train_model
+        from miles.train.prepare import prepare_train_model
 
         prepare_train_model(policy, cfg)  # unified FP8: FP8 forward GEMMs over fp32 master weights
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
@@ -186,7 +186,7 @@ class TrainerActor(GroupSender):
         return ray.get_runtime_context().get_node_id()
 
     def peak_memory(self) -> dict[str, int]:
-        from miles.runtime.memory import step_peak_memory, training_memory
+        from miles.diagnostics.memory import step_peak_memory, training_memory
 
         return step_peak_memory(self.device) | training_memory(self.actor.model, self.actor.optimizer)
 

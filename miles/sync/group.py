@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from miles.errors import MilesError
 from miles.sync.buckets import SyncIntegrityError, checksum_bytes, pack_bucket, plan_buckets, unpack_bucket
 from miles.sync.transports import SyncStats
 
@@ -118,3 +119,26 @@ class GroupSender:
     def leave_weight_group(self) -> None:
         if self.weight_group is not None:
             self.weight_group.close()
+
+
+def free_port() -> int:
+    """A free TCP port below the OS's ephemeral range. A port the OS handed out (bind to 0) is free
+    only until the socket closes: Ray's workers also bind to 0 and can get it before the rank that
+    should listen there (seen: a training rank's store failed with EADDRINUSE). Ports outside the
+    ephemeral range are never handed out that way."""
+    import random
+    import socket
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = random.sample(range(20000, max(low, 20001)), k=min(200, max(low - 20000, 1)))
+    for port in [*candidates, 0]:  # 0: let the OS choose, if all else is taken
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise MilesError("no free TCP port for a torch.distributed rendezvous")

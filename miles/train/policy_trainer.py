@@ -24,6 +24,7 @@ from miles.algo.masked import aggregate
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
+from miles.diagnostics.memory import training_memory
 from miles.models.checkpoint import hf_state_dict
 from miles.models.transformer import Transformer
 from miles.quant.convert import fp8_metrics
@@ -157,8 +158,6 @@ class PolicyTrainer:
 
     def peak_memory(self) -> list[dict[str, int]]:
         """Its weights, gradients and optimizer state; its peak RSS is the driver's (`mem_driver_*`)."""
-        from miles.runtime.memory import training_memory
-
         return [training_memory(self.model, self.optimizer)]
 
     def set_precision(self, mode: str) -> None:

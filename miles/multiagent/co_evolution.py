@@ -39,8 +39,8 @@ from miles.errors import ConfigError
 from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.multiagent.actions import warm_up_actions
-from miles.multiagent.checkpoint import resume_agents, save_agents
-from miles.multiagent.episodes import Environment, play, role_advantages
+from miles.multiagent.agent_state import resume_agents, save_agents
+from miles.multiagent.episodes import EnvSpec, role_advantages
 from miles.rollout import SamplingParams
 from miles.runtime.executors import Executor, build_executor
 from miles.runtime.loop import due
@@ -56,19 +56,20 @@ BUILT_IN = {
 }
 
 
-def build_env(path: str, seed: int) -> Environment:
+def build_env(path: str, seed: int) -> EnvSpec:
     from miles.rewards.functions import load_function
 
     cls = load_function(BUILT_IN.get(path, path), "--env-path")
     env = cls(seed=seed) if isinstance(cls, type) else cls
-    turn_based = ("agents", "reset", "current", "observe", "act", "rewards")
-    missing = [m for m in turn_based if not hasattr(env, m)]
-    if missing and not (hasattr(env, "agents") and hasattr(env, "play")):
+    try:
+        return EnvSpec.of(env)
+    except TypeError as e:
+        turn_based = ("agents", "reset", "current", "observe", "act", "rewards")
+        missing = [m for m in turn_based if m not in dir(env)]
         raise ConfigError(
             f"--env-path {path}: the environment lacks {', '.join(missing)} (or `agents` and its own "
             "`play`; see miles/multiagent/episodes.py)"
-        )
-    return env
+        ) from e
 
 
 def agent_config(cfg: RunConfig, index: int, requests: int, name: str = "") -> RunConfig:
@@ -174,19 +175,20 @@ class Policies(Mapping):
 
 def train_agents(cfg: RunConfig) -> Path:
     co = cfg.co_evolution
-    env = build_env(co.env_path, cfg.train.seed)
+    spec = build_env(co.env_path, cfg.train.seed)
+    env = spec.env
     run_dir = run_dir_for(cfg)
     metrics = MetricsLogger(run_dir, cfg.logging.use_tensorboard)
     rng = random.Random(cfg.train.seed)
     resuming = bool(cfg.checkpoint.load) and latest_checkpoint(cfg.checkpoint.load) is not None
     params = SamplingParams(
         temperature=cfg.rollout.rollout_temperature,
-        max_new_tokens=getattr(env, "max_new_tokens", 1),
+        max_new_tokens=spec.max_new_tokens,
         ignore_eos=True,
     )
     base, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)  # a shared base, copied per agent
-    max_seq_len = min(registry.context_length(cfg.model.model), getattr(env, "max_seq_len", 512))
-    requests = co.episodes_per_step * getattr(env, "requests_per_episode", 1)
+    max_seq_len = min(registry.context_length(cfg.model.model), spec.max_seq_len)
+    requests = co.episodes_per_step * spec.requests_per_episode
     unknown = sorted(set(co.agent_overrides) - set(env.agents))
     if unknown:
         raise ConfigError(
@@ -196,7 +198,7 @@ def train_agents(cfg: RunConfig) -> Path:
     for i, name in enumerate(env.agents):
         torch.manual_seed(cfg.train.seed + i)
         policy = copy.deepcopy(base)
-        warm_up = co.action_warmup_steps and hasattr(env, "action_tokens") and hasattr(env, "warmup_prompts")
+        warm_up = co.action_warmup_steps and spec.warms_up
         if warm_up and not resuming:  # a resumed run loads its trained weights instead
             outside = warm_up_actions(
                 policy, tokenizer, env.warmup_prompts(name), env.action_tokens, co.action_warmup_steps, 1e-3
@@ -212,8 +214,7 @@ def train_agents(cfg: RunConfig) -> Path:
             agents[name].snapshot(0)
     del base
     names = list(env.agents)
-    episodes = getattr(env, "play", None) or (lambda *a, **k: play(env, *a, **k))
-    tracker = env.tracker() if hasattr(env, "tracker") else None
+    episodes, tracker = spec.episodes, spec.tracker
     steps = cfg.rollout.num_rollout
     start = resume_agents(cfg, agents, rng, env, tracker, metrics)
     try:
@@ -246,8 +247,8 @@ def train_agents(cfg: RunConfig) -> Path:
                     record.update(win_rates(samples[n], n, picks, agents))
                     batches[n] = samples[n]
                     record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
-            if hasattr(env, "episode_metrics"):
-                record.update(env.episode_metrics(states))
+            if spec.episode_metrics is not None:
+                record.update(spec.episode_metrics(states))
             rollout_time = time.perf_counter() - t0
             for n in names:
                 agent = agents[n]
