@@ -2,8 +2,8 @@
 
     .venv/bin/python scripts/gpu_check.py            # ~2-4 minutes on one GPU
 
-1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2); the
-   lean decode step on cuda vs the general forward (same samples, both timed);
+1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2); on
+   cuda `--rollout-decode-step auto` runs the general forward and `fused` is refused;
 2. one GRPO training step on cuda vs cpu: same losses and gradient norm; CUDA IPC zero-copy
    between two processes (a write through the trainer's tensor is seen by the other); the FP8
    rollout layer (--fp8-rollout-only) on cuda vs cpu;

@@ -161,8 +161,8 @@ def load_model(
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t` contiguous and alone in its storage: a parameter that is a view of a fused tensor (the
-    rollout engine's lean decode step) is copied out, since safetensors refuses shared storage."""
+    """`t` contiguous and alone in its storage: a parameter that is a view of a larger tensor is
+    copied out, since safetensors refuses shared storage."""
     t = t.detach().contiguous()
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 

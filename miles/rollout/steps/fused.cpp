@@ -55,43 +55,111 @@ struct FusedLayer {
 
 namespace {
 
+constexpr int64_t W = 16;  // floats in a vector
+
+#if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));  // unaligned access
-constexpr int64_t W = 16;                                         // floats in a vector
+typedef int32_t vi __attribute__((vector_size(64)));
 
 inline vf load(const float *p) { return *reinterpret_cast<const vfu *>(p); }
 inline void store(float *p, vf v) { *reinterpret_cast<vfu *>(p) = v; }
+inline vf at_least(vf x, vf lo) { return x < lo ? lo : x; }
+inline vf at_most(vf x, vf hi) { return x > hi ? hi : x; }
+inline vi as_int(vf x) { return (vi)x; }  // vector casts reinterpret the bits
+inline vf as_float(vi x) { return (vf)x; }
+#else
+// Without AVX-512, GCC lowers a 16-float vector type through memory (every broadcast and
+// temporary on the stack). A vector of 16 is then two native vectors of 8, lane for lane the
+// same arithmetic (so the same bits, and the same horizontal sums in hsum).
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+struct vf {
+  v8 lo, hi;
+};
+struct vi {
+  vi8 lo, hi;
+};
+inline vf load(const float *p) {
+  return {*reinterpret_cast<const v8u *>(p), *reinterpret_cast<const v8u *>(p + 8)};
+}
+inline void store(float *p, vf v) {
+  *reinterpret_cast<v8u *>(p) = v.lo;
+  *reinterpret_cast<v8u *>(p + 8) = v.hi;
+}
+inline vf operator+(vf a, vf b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline vf operator-(vf a, vf b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline vf operator*(vf a, vf b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline vf operator/(vf a, vf b) { return {a.lo / b.lo, a.hi / b.hi}; }
+inline vf operator+(vf a, float b) { return {a.lo + b, a.hi + b}; }
+inline vf operator-(vf a, float b) { return {a.lo - b, a.hi - b}; }
+inline vf operator*(vf a, float b) { return {a.lo * b, a.hi * b}; }
+inline vf operator+(float a, vf b) { return {a + b.lo, a + b.hi}; }
+inline vf operator*(float a, vf b) { return {a * b.lo, a * b.hi}; }
+inline vf operator-(vf a) { return {-a.lo, -a.hi}; }
+inline vf &operator+=(vf &a, vf b) { return a = a + b; }
+inline vi operator-(vi a, vi b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline vi operator+(vi a, int32_t b) { return {a.lo + b, a.hi + b}; }
+inline vi operator<<(vi a, int b) { return {a.lo << b, a.hi << b}; }
+inline vf at_least(vf x, vf lo) { return {x.lo < lo.lo ? lo.lo : x.lo, x.hi < lo.hi ? lo.hi : x.hi}; }
+inline vf at_most(vf x, vf hi) { return {x.lo > hi.lo ? hi.lo : x.lo, x.hi > hi.hi ? hi.hi : x.hi}; }
+inline vi as_int(vf x) { return {(vi8)x.lo, (vi8)x.hi}; }
+inline vf as_float(vi x) { return {(v8)x.lo, (v8)x.hi}; }
+#endif
+
+// The GEMM's register block in the machine's own vector width. A 16-float vector on a CPU
+// without AVX-512 is lowered by GCC through memory (each broadcast and accumulator on the
+// stack: ~3 GFLOP/s), so there the block uses 8-float vectors and at most one 16-column unit
+// (4 rows x 2 vectors: 8 of the 16 registers). Every output is the same sum over k in the same
+// order whatever the block, so the bits do not depend on it.
+#if defined(__AVX512F__)
+typedef float vg __attribute__((vector_size(64)));
+constexpr int MAX_NV = 4;  // 4 rows x 4 vectors: 16 of the 32 registers
+#else
+typedef float vg __attribute__((vector_size(32)));
+constexpr int MAX_NV = 1;
+#endif
+typedef float vgu __attribute__((vector_size(sizeof(vg)), aligned(4)));
+constexpr int64_t GW = sizeof(vg) / sizeof(float), PER_UNIT = W / GW;  // floats, vectors per 16 columns
 
 // C[MR x NV*16] = A[MR x K] @ B[K x NV*16] (row strides lda, ldb, ldc)
 template <int MR, int NV>
 inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
                   int64_t ldc) {
-  vf c[MR][NV];
+  constexpr int V = NV * PER_UNIT;
+  vg c[MR][V];
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NV; j++) c[i][j] = vf{};
+    for (int j = 0; j < V; j++) c[i][j] = vg{};
   for (int64_t k = 0; k < K; k++) {
-    vf b[NV];
-    for (int j = 0; j < NV; j++) b[j] = load(B + k * ldb + j * W);
+    vg b[V];
+    for (int j = 0; j < V; j++) b[j] = *reinterpret_cast<const vgu *>(B + k * ldb + j * GW);
     for (int i = 0; i < MR; i++) {
       const float a = A[i * lda + k];
-      for (int j = 0; j < NV; j++) c[i][j] += a * b[j];
+      for (int j = 0; j < V; j++) c[i][j] += a * b[j];
     }
   }
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NV; j++) store(C + i * ldc + j * W, c[i][j]);
+    for (int j = 0; j < V; j++) *reinterpret_cast<vgu *>(C + i * ldc + j * GW) = c[i][j];
 }
 
-// C[R x NV*16] = A[R x K] @ B[K x NV*16] (B's row stride ldb): one column panel, its rows in
-// blocks of 4 (the panel stays in cache while every row block streams through it)
+// C[R x NV*16] = A[R x K] @ B[K x NV*16] (B's row stride ldb): one column panel (in strips of
+// MAX_NV units), its rows in blocks of 4 (the panel stays in cache while every row block
+// streams through it)
 template <int NV>
 inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t ldb, float *C, int64_t ldc) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) block<4, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc);
-  switch (R - r) {
-    case 3: block<3, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
-    case 2: block<2, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
-    case 1: block<1, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
-    default: break;
+  if constexpr (NV > MAX_NV) {
+    panel<MAX_NV>(R, K, A, B, ldb, C, ldc);
+    panel<NV - MAX_NV>(R, K, A, B + MAX_NV * W, ldb, C + MAX_NV * W, ldc);
+  } else {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) block<4, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc);
+    switch (R - r) {
+      case 3: block<3, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
+      case 2: block<2, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
+      case 1: block<1, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
+      default: break;
+    }
   }
 }
 
@@ -155,14 +223,12 @@ struct Team {
   }
 };
 
-typedef int32_t vi __attribute__((vector_size(64)));
-
 // e^x to about 1 ulp (Cephes' expf polynomial) over x in [-87.3, 88.7] (clamped), 16 at a time.
 // n = round(x / ln 2) by the 1.5 * 2^23 trick, so the integer n is in the sum's low bits.
 inline vf exp_vec(vf x) {
   const vf lo = vf{} - 87.3f, hi = vf{} + 88.7f, magic = vf{} + 12582912.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  x = at_least(x, lo);
+  x = at_most(x, hi);
   const vf t = x * 1.44269504088896341f + magic, n = t - magic;
   vf r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -173,8 +239,8 @@ inline vf exp_vec(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vi bits = (((vi)t - (vi)magic) + 127) << 23;  // vector casts reinterpret the bits
-  return p * (vf)bits;
+  const vi bits = ((as_int(t) - as_int(magic)) + 127) << 23;
+  return p * as_float(bits);
 }
 
 // y[i] = e^(x[i] - shift), in vectors, the tail through a padded one
@@ -213,10 +279,14 @@ inline void rope(int64_t heads, int64_t D, float *x, const float *cos, const flo
 }
 
 inline float hsum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
+  typedef float h8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+#if defined(__AVX512F__)
+  const h8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const h8 a = v.lo + v.hi;
+#endif
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }

@@ -3,7 +3,7 @@
 At the sizes RL rollout runs on a CPU, a decode step of a small model is about a hundred
 operators of a few microseconds each, and each one forks and joins the thread pool
 (docs/performance.md). Every row's step is independent of the other
-rows' (its own KV-cache slot, its own experts), so `fused_step.cpp` splits the rows over the
+rows' (its own KV-cache slot, its own experts), so `fused.cpp` splits the rows over the
 threads once and runs each thread's rows through the whole model: one parallel region a step.
 With few rows a thread (SmolLM2 at batch 1 or 16) the threads share each product by output
 panels instead, so every weight is read once a step. The projections are register-blocked GEMMs
@@ -62,7 +62,7 @@ class _Config(ctypes.Structure):
     ] + [("eps", ctypes.c_double)]  # fmt: skip
 
 
-class _Layer(ctypes.Structure):  # fused_step.cpp's FusedLayer, field for field
+class _Layer(ctypes.Structure):  # fused.cpp's FusedLayer, field for field
     _fields_ = [
         (name, ctypes.c_int64 if name.endswith("inner") else ctypes.c_void_p)
         for name in (
@@ -175,11 +175,11 @@ def fused_unsupported(model: Transformer) -> str | None:
     return None
 
 
-PANEL = 64  # columns of a packed panel (fused_step.cpp's PANEL)
+PANEL = 64  # columns of a packed panel (fused.cpp's PANEL)
 
 
 def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
-    """An (in, out) weight laid out as fused_step.cpp reads it: column panels of 64, each
+    """An (in, out) weight laid out as fused.cpp reads it: column panels of 64, each
     contiguous (in rows of its width), one after another; flat."""
     return torch.cat([weight_t[:, n : n + PANEL].reshape(-1) for n in range(0, weight_t.shape[1], PANEL)])
 
