@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.config.loader import add_field_flags
+from miles.config.loader import add_field_flags, retired_message
 from miles.errors import MilesError
 
 DEFAULT_JOB = Path(__file__).resolve().parent / "assets" / "default_train.yaml"
@@ -41,6 +41,8 @@ def parse_command(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.
         flag = token.split("=", 1)[0]
         if flag in RETIRED_FLAGS:
             raise MilesError(f"{flag} is no longer a flag: use {RETIRED_FLAGS[flag]}")
+        if flag.startswith("--") and (message := retired_message(flag[2:])):  # miles train's retired flags
+            raise MilesError(message)
     return parser.parse_args(argv)
 
 

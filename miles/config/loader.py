@@ -32,7 +32,7 @@ RETIRED: dict[str, str] = {
 }
 
 
-def _retired(name: str) -> str | None:
+def retired_message(name: str) -> str | None:
     """The refusal for a retired flag or key (its --no- form too), else None."""
     bare = name.replace("-", "_").removeprefix("no_")
     if bare in RETIRED:
@@ -220,13 +220,13 @@ def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
                     name = "co_evolution_interval"
                 if name not in FIELDS:
                     raise ConfigError(
-                        f"{path}: {_retired(name) or f'unknown key {key}.{sub}{_suggest(sub, key)}'}"
+                        f"{path}: {retired_message(name) or f'unknown key {key}.{sub}{_suggest(sub, key)}'}"
                     )
                 flat[name] = v
         else:
             name = ALIASES.get(key, key)
             if name not in FIELDS:
-                raise ConfigError(f"{path}: {_retired(name) or f'unknown key {key!r}{_suggest(key)}'}")
+                raise ConfigError(f"{path}: {retired_message(name) or f'unknown key {key!r}{_suggest(key)}'}")
             flat[name] = value
     return flat
 
@@ -238,7 +238,9 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     for token in unknown:
         if token.startswith("--"):
             name = token[2:].split("=", 1)[0].replace("-", "_")
-            raise ConfigError(_retired(name) or f"unknown flag --{name.replace('_', '-')}{_suggest(name)}")
+            raise ConfigError(
+                retired_message(name) or f"unknown flag --{name.replace('_', '-')}{_suggest(name)}"
+            )
         raise ConfigError(f"unexpected argument {token!r} (flags start with --; see miles train --help)")
     values: dict[str, Any] = {}
     config_path = getattr(args, "config", None)
@@ -262,7 +264,7 @@ def make_config(values: dict[str, Any]) -> RunConfig:
     for name, value in values.items():
         info = FIELDS.get(ALIASES.get(name, name))
         if info is None:
-            raise ConfigError(_retired(name) or f"unknown setting {name!r}{_suggest(name)}")
+            raise ConfigError(retired_message(name) or f"unknown setting {name!r}{_suggest(name)}")
         setattr(getattr(cfg, info.section), info.name, value)
     return validate(cfg)
 

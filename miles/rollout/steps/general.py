@@ -13,13 +13,13 @@ class GeneralStep:
     name = "general"
 
     def __init__(self, model: Transformer) -> None:
-        self.model = model
+        self.model, self.device = model, model.lm_head.weight.device
 
     @torch.no_grad()
     def prefill(
         self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache
     ) -> ModelOutput:
-        dev = self.model.lm_head.weight.device
+        dev = self.device
         U, T = ids.shape
         positions = torch.arange(T).expand(U, T)
         last = lengths - 1
@@ -34,7 +34,7 @@ class GeneralStep:
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
-        dev = self.model.lm_head.weight.device
+        dev = self.device
         return self.model(
             ids.to(dev), positions=positions.to(dev), cache=cache, cache_rows=slice(0, len(ids))
         )
