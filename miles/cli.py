@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -192,8 +193,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report = environment(args.model)
         print(json.dumps(report, indent=2, default=str) if args.json else format_env(report))
         return 0
+    if args.localize_mismatch:
+        from miles.diagnostics.localize import format_localization, localize
+        from miles.doctor import load_run
+
+        step = load_run(args.localize_mismatch).setting("rollout.rollout_decode_step", "auto")
+        result = localize(args.localize_mismatch, args.tolerance)
+        print(
+            json.dumps(dataclasses.asdict(result), indent=2)
+            if args.json
+            else format_localization(result, step)
+        )
+        return 1 if result.diverged else 0
     if args.run_dir is None:
-        raise MilesError("give a run directory (miles doctor RUN_DIR) or --env")
+        raise MilesError("give a run directory (miles doctor RUN_DIR), --localize-mismatch RUN_DIR or --env")
     from miles.doctor import diagnose, load_run
     from miles.doctor.report import format_json, format_text
 
@@ -313,6 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument(
         "--model", help="with --env: also list the INT4 group sizes that divide this model's layers"
+    )
+    doctor.add_argument(
+        "--localize-mismatch",
+        metavar="RUN_DIR",
+        help="replay the samples a run kept with --mismatch-dump-interval through the trainer's and the engine's "
+        "forward, op by op, and name the first place they differ beyond rounding (exit 1 if they do)",
+    )
+    doctor.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="with --localize-mismatch: the relative difference counted as beyond rounding",
     )
     doctor.set_defaults(func=cmd_doctor)
     return parser

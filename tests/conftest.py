@@ -93,21 +93,22 @@ def small_run_args(out: Path, num_rollout: int) -> list[str]:
 
 @pytest.fixture(scope="session")
 def local_run(tmp_path_factory):
-    """`local_run(steps)`: the metrics of the one-process run of `small_run_args(steps)`, trained
-    once per session. It is the reference every distributed layout is compared with; each test
-    training it again cost the suite about 4 s a time."""
-    done: dict[int, list[dict]] = {}
+    """`local_run(steps, *flags)`: the metrics of the one-process run of `small_run_args(steps)`
+    plus `flags`, trained once per session. It is the reference every distributed layout is
+    compared with; each test training it again cost the suite about 4 s a time."""
+    done: dict[tuple, list[dict]] = {}
 
-    def get(steps: int) -> list[dict]:
-        if steps not in done:
+    def get(steps: int, *flags: str) -> list[dict]:
+        key = (steps, *flags)
+        if key not in done:
             from miles.config import load_config
             from miles.runtime.loop import train
             from miles.runtime.metrics import read_metrics
 
             out = tmp_path_factory.mktemp(f"local_run_{steps}")
-            train(load_config(small_run_args(out, steps)))
-            done[steps] = read_metrics(out)
-        return copy.deepcopy(done[steps])
+            train(load_config(small_run_args(out, steps) + list(flags)))
+            done[key] = read_metrics(out)
+        return copy.deepcopy(done[key])
 
     return get
 

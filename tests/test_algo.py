@@ -365,3 +365,39 @@ def test_routing_mismatch_counts_changed_decisions(seed, k):
         return
     assert got["routing_mismatch_frac"] == pytest.approx(float(changed[valid].float().mean()))
     assert got["routing_mismatch_token_frac"] == pytest.approx(float(changed.any(-1)[valid].float().mean()))
+
+
+# ---------------- CISPO and OPSM ----------------
+
+
+def test_cispo_hand_example():
+    # two tokens, eps_high 0.2: r = e^0.1 = 1.10517 (kept), r = e^0.5 = 1.64872 (capped at 1.2)
+    # per token -w * A * logp: token 1: -1.10517 * 2 * (-1.0) = 2.21034; token 2: -1.2 * (-1) * (-2.0) = -2.4
+    # token-mean over 2 tokens: (2.21034 - 2.4) / 2 = -0.09483
+    from miles.algo.losses import cispo_loss
+
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -2.5]])
+    adv = torch.tensor([[2.0, -1.0]])
+    out = cispo_loss(logp, old, adv, torch.ones(1, 2), eps_clip_high=0.2)
+    close(out.loss, torch.tensor(-0.094829), atol=1e-5, rtol=0)
+    assert float(out.clipfrac) == 0.5
+    out.loss.backward()
+    # d/dlogp = -w * A / 2: the weight carries no gradient, and the capped token keeps its own
+    close(logp.grad, torch.tensor([[-1.10517 * 2 / 2, 1.2 / 2]]), atol=1e-5, rtol=0)
+
+
+def test_opsm_hand_example():
+    # behaviour - current per token; mean over each response's real tokens:
+    # seq 0: (0.3 + 0.1) / 2 = 0.2 > delta, negative advantage -> dropped
+    # seq 1: same drift, positive advantage -> kept
+    # seq 2: (0.05 + 0.0 + pad) / 2 = 0.025 < delta, negative advantage -> kept
+    from miles.algo.losses import opsm_keep
+
+    current = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0], [-1.0, -1.0, 9.0]])
+    behaviour = torch.tensor([[-0.7, -0.9, 0.0], [-0.7, -0.9, 0.0], [-0.95, -1.0, -50.0]])
+    adv = torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 0.0], [-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]])
+    keep = opsm_keep(current, behaviour, adv, mask, delta=0.1)
+    close(keep[:, :2], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
+    assert opsm_keep(current, behaviour, adv, mask, delta=0.25).min() == 1.0  # a higher threshold keeps all

@@ -38,7 +38,7 @@ def expert_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
 
 
-def ep_worker(rank: int, world: int, size: int, port: int) -> None:
+def ep_worker(rank: int, world: int, size: int, port: int, offload: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -50,6 +50,10 @@ def ep_worker(rank: int, world: int, size: int, port: int) -> None:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
 
         model = copy.deepcopy(full)
+        if offload:  # as the trainer prepares it: experts to host memory, then sharded
+            from miles.train.expert_offload import offload_experts
+
+            loader = offload_experts(model)
         ep = expert_parallel.setup(model, rank, world, size)
         assert expert_bytes(model) * size == expert_bytes(full)
         loss = loss_of(model, rank)
@@ -59,6 +63,10 @@ def ep_worker(rank: int, world: int, size: int, port: int) -> None:
         grads = dict(ref.named_parameters())
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+        if offload:
+            assert loader.resident == 0 and 0 < loader.peak <= expert_bytes(model) * 2 // len(
+                full.model.layers
+            )
         norm = expert_parallel.clip_grad_norm(model, ep, float("inf"))
         torch.testing.assert_close(norm, ref_norm, atol=1e-5, rtol=1e-5)
         whole = expert_parallel.gather_state(model, ep)
@@ -69,12 +77,13 @@ def ep_worker(rank: int, world: int, size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,size", [(2, 2), (4, 2)])
-def test_expert_parallel_equals_whole_experts(world, size):
-    """EP=2 over 2 ranks, and EP=2 x DP=2 over 4: each rank's loss, every gradient (dense and
-    expert) and the gradient norm equal one process with every expert (within 1e-5); a rank holds
-    1/size of the expert bytes; the gathered state is the whole model."""
-    mp.spawn(ep_worker, args=(world, size, free_port()), nprocs=world)
+@pytest.mark.parametrize("world,size,offload", [(2, 2, False), (4, 2, False), (2, 2, True)])
+def test_expert_parallel_equals_whole_experts(world, size, offload):
+    """EP=2 over 2 ranks, EP=2 x DP=2 over 4, and EP=2 with --offload-experts: each rank's loss,
+    every gradient (dense and expert) and the gradient norm equal one process with every expert
+    (within 1e-5); a rank holds 1/size of the expert bytes (offloaded: at most one expert's
+    weights at a time on the compute device); the gathered state is the whole model."""
+    mp.spawn(ep_worker, args=(world, size, free_port(), offload), nprocs=world)
 
 
 def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cluster, tmp_path, local_run):

@@ -16,6 +16,7 @@ from miles.config import make_config
 from miles.data.sample import Sample
 from miles.runtime.ray_train import split_evenly
 from miles.train.batch import forward_logprobs, pack_samples
+from miles.train.micro_batches import balance_over_ranks, rank_shares
 from miles.train.policy_trainer import PolicyTrainer
 from tests.conftest import random_model
 
@@ -91,6 +92,31 @@ def test_micro_batch_size_does_not_change_the_gradient(agg):
         assert metrics["loss"] == pytest.approx(metrics["pg_loss"], abs=1e-6)
 
 
+TOKEN_BUDGETS = (17, 40, 1000)  # the longest sample alone (17 tokens packed), a few rows, everything at once
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_token_budget_micro_batches_do_not_change_the_gradient(agg):
+    """--use-dynamic-batch-size: micro-batches cut by padded tokens, samples of very different
+    lengths grouped by length, give the global batch's gradient and loss."""
+    samples, advantages = make_samples()
+    want = one_batch_gradient(random_model("qwen3"), samples, advantages, agg)
+    for budget in TOKEN_BUDGETS:
+        model = random_model("qwen3")
+        trainer = PolicyTrainer(model, dynamic_config(agg, budget))
+        parts = trainer.micro_batches(range(N_SAMPLES), samples)
+        assert sorted(i for p in parts for i in p) == list(range(N_SAMPLES))
+        assert all(len(p) * max(len(samples[i].tokens) - 1 for i in p) <= budget for p in parts)
+        metrics = trainer.train(samples, advantages)
+        for name, p in model.named_parameters():
+            assert torch.allclose(p.grad, want[name], atol=1e-5, rtol=1e-4), (budget, name)
+        assert metrics["pg_loss"] == pytest.approx(hand_loss(samples, advantages, agg), abs=1e-5), budget
+
+
+def dynamic_config(agg: str, budget: int):
+    return config(agg, 256, use_dynamic_batch_size=True, max_tokens_per_gpu=budget)
+
+
 def test_entropy_and_kl_terms_accumulate_exactly_too():
     samples, advantages = make_samples(seed=1)
     extra = dict(entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1")
@@ -127,6 +153,7 @@ def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     samples, advantages = make_samples()
     mine = split_evenly(list(range(N_SAMPLES)), 2)[rank]
+    balanced = rank_shares([len(s.tokens) for s in samples], 2, N_SAMPLES, balanced=True)[rank]
     results = {}
     for agg in AGG_MODES:
         for micro in (1, 7, 64, 256):
@@ -140,6 +167,16 @@ def _rank(rank: int, port: int, out) -> None:
                 {
                     n: p.grad.numpy().copy() for n, p in model.named_parameters()
                 },  # by value, not shared memory
+            )
+        for budget in TOKEN_BUDGETS:  # token-balanced shares, token-budget micro-batches
+            model = random_model("qwen3")
+            trainer = PolicyTrainer(model, dynamic_config(agg, budget), world=2)
+            trainer.grad_sync = lambda finite, m=model: all_reduce_gradients(m, finite)
+            trainer.all_sum = lambda values: all_sum(values, torch.device("cpu"))
+            metrics = trainer.train([samples[i] for i in balanced], [advantages[i] for i in balanced])
+            results[agg, f"tokens {budget}"] = (
+                metrics["pg_loss"],
+                {n: p.grad.numpy().copy() for n, p in model.named_parameters()},
             )
     out.put((rank, results))
     dist.destroy_process_group()
@@ -164,7 +201,7 @@ def test_two_ranks_take_the_global_batch_step():
     samples, advantages = make_samples()
     for agg in AGG_MODES:
         want = one_batch_gradient(random_model("qwen3"), samples, advantages, agg)
-        for micro in (1, 7, 64, 256):
+        for micro in (1, 7, 64, 256, *(f"tokens {b}" for b in TOKEN_BUDGETS)):
             for rank in (0, 1):
                 loss, grads = got[rank][agg, micro]
                 assert loss == pytest.approx(hand_loss(samples, advantages, agg), abs=1e-5), (
@@ -178,3 +215,81 @@ def test_two_ranks_take_the_global_batch_step():
                         micro,
                         rank,
                     )
+
+
+def test_ranks_get_equal_counts_and_balanced_tokens():
+    """Token balancing keeps every rank's sample count (the loss scale counts on it) and brings
+    the token totals within one sample of each other, where contiguous halves differ ~3x here."""
+    samples, _ = make_samples()
+    lengths = [len(s.tokens) for s in samples]
+    for world in (2, 3, 4):
+        shares = balance_over_ranks(lengths, world)
+        assert sorted(i for s in shares for i in s) == list(range(N_SAMPLES))
+        assert {len(s) for s in shares} == {N_SAMPLES // world}
+        totals = [sum(lengths[i] for i in s) for s in shares]
+        assert max(totals) - min(totals) <= max(lengths)
+    halves = [sum(lengths[i] for i in s) for s in split_evenly(list(range(N_SAMPLES)), 2)]
+    assert max(halves) > 1.5 * min(halves)  # the data order alone would not balance them
+
+
+def saved_bytes(model, samples) -> int:
+    """Bytes autograd keeps for backward during one training forward of `samples`."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward_logprobs(model, pack_samples(samples))
+    return total
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_recomputed_activations_give_the_same_gradient_and_keep_less(arch):
+    """--recompute-activations: the same gradient (each layer runs again in backward on the same
+    input), and far fewer bytes held between forward and backward."""
+    from miles.train.prepare import prepare_train_model
+
+    samples, advantages = make_samples()
+    grads, kept = [], []
+    for recompute in (False, True):
+        model = random_model(arch)
+        cfg = config("token-mean", 16, recompute_activations=recompute)
+        prepare_train_model(model, cfg)
+        kept.append(saved_bytes(model, samples))
+        PolicyTrainer(model, cfg).train(samples, advantages)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, atol=1e-6, rtol=1e-5), name
+    assert kept[1] < kept[0] / 2, kept
+
+
+def test_host_optimizer_steps_exactly_as_adamw():
+    """--optimizer-cpu-offload's AdamW over host copies: the same weights as AdamW step for step
+    (bitwise: the same update arithmetic on the same numbers), its moments off the model's
+    tensors, and weights loaded into the model between steps (a resume) are the ones stepped."""
+    from miles.train.host_optimizer import HostAdamW
+
+    options = dict(lr=1e-2, betas=(0.9, 0.98), weight_decay=0.01)
+    plain, offloaded = random_model("qwen3"), random_model("qwen3")
+    optimizers = [
+        torch.optim.AdamW(plain.parameters(), **options),
+        HostAdamW(offloaded.parameters(), **options),
+    ]
+    samples, advantages = make_samples()
+    for step in range(3):
+        if step == 2:  # a resume: new weights arrive in both models
+            fresh = random_model("qwen3", seed=9).state_dict()
+            plain.load_state_dict(fresh)
+            offloaded.load_state_dict(fresh)
+        for model, optimizer in zip((plain, offloaded), optimizers):
+            optimizer.zero_grad()
+            logp, _, _ = forward_logprobs(model, pack_samples(samples[:8]))
+            (logp.sum() * advantages[0][0]).backward()
+            optimizer.step()
+        for (name, a), b in zip(plain.named_parameters(), offloaded.parameters()):
+            assert torch.equal(a, b), (step, name)
+    host_state = {id(t) for s in optimizers[1].state.values() for t in s.values()}
+    assert not host_state & {id(p) for p in offloaded.parameters()}

@@ -72,13 +72,17 @@ def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
 
 def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_run):
     """`miles train --actor-num-gpus-per-node 2 --rollout-num-gpus 2` (processes on CPU) logs the
-    same metrics as the one-process run, and saves a checkpoint from rank 0."""
+    same metrics as the one-process run, and saves a checkpoint from rank 0. The run is in
+    --true-on-policy-mode, so train and rollout log-probs are also bitwise equal at every step
+    across the processes (the plain 2 + 2 layout runs in the sync tests below)."""
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
+    from tests.test_true_on_policy import TRUE_ON_POLICY
 
-    args = small_run_args(tmp_path / "ray", 3) + [
+    args = small_run_args(tmp_path / "ray", 2) + [
+        *TRUE_ON_POLICY,
         "--actor-num-gpus-per-node",
         "2",
         "--rollout-num-gpus",
@@ -88,11 +92,12 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_r
         "--check-weight-update-equal",
     ]
     train(load_config(args))
-    local, distributed = local_run(3), read_metrics(tmp_path / "ray")
+    local, distributed = local_run(2, *TRUE_ON_POLICY), read_metrics(tmp_path / "ray")
     assert_same_run(local, distributed)
-    assert (tmp_path / "ckpt" / "latest").read_text() == "2"
+    assert (tmp_path / "ckpt" / "latest").read_text() == "1"
     # each process kind's peak memory per step: ranks and engines each hold a model and torch (> 100 MB)
     trained = [r for r in distributed if r["rollout"] >= 0]
+    assert all(r["train_rollout_logprob_abs_diff_max"] == 0.0 for r in trained)
     assert all(r["mem_train_peak_rss_gb"] > 0.1 and r["mem_rollout_peak_rss_gb"] > 0.1 for r in trained)
     assert all("mem_train_peak_rss_gb" not in r for r in local)  # one process: only the driver's
 

@@ -75,6 +75,54 @@ def policy_loss(
     )
 
 
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip_high: float,
+    agg: AggMode = "token-mean",
+    norm_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
+) -> PolicyLoss:
+    """CISPO (MiniMax-M1): -sg(min(r, 1 + eps_clip_high)) * A * logp per token, r = exp(logp - old_logp).
+
+    The clipped ratio is a detached weight, so every token keeps its gradient A * w * d logp
+    (PPO's clip zeroes the gradient of a clipped token instead). `clipfrac`: tokens whose ratio
+    was capped; `dual_clipfrac` is 0 (no dual clip)."""
+    log_ratio = (logp - old_logp).detach()
+    ratio = torch.exp(log_ratio.clamp(max=20.0))
+    capped = ratio > 1.0 + eps_clip_high
+    weight = ratio.clamp(max=1.0 + eps_clip_high)
+    loss = -advantages * weight * logp
+    if token_weights is not None:
+        loss = loss * token_weights.detach()
+    m = mask.float()
+    return PolicyLoss(
+        loss=aggregate(loss, mask, agg, norm_length, denominator),
+        clipfrac=masked_mean(capped.float(), m),
+        dual_clipfrac=torch.zeros(()),
+        approx_kl=masked_mean(-log_ratio, m),
+    )
+
+
+def opsm_keep(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float,
+) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2, slime's form): (B, T) weights, 0 where a
+    token's advantage is negative and its sequence's mean log(pi_behaviour / pi_theta) over its
+    response exceeds `delta` (the policy has moved away from what sampled the sequence; pushing
+    such samples further down is what destabilises training), 1 elsewhere. Detached."""
+    drift = masked_mean((behaviour_logp - logp).detach(), mask, dim=-1)  # (B,)
+    dropped = (advantages.detach() < 0) & (drift[:, None] > delta)
+    return (~dropped).float()
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

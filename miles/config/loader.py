@@ -212,7 +212,13 @@ def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in data.items():
         key = str(key).replace("-", "_")
-        if key in sections and isinstance(value, dict) and key not in FIELDS:
+        # `model:` is a section (a saved config.yaml) and a field (model: tiny): a mapping is the section
+        field = FIELDS.get(key)
+        if (
+            key in sections
+            and isinstance(value, dict)
+            and (field is None or not isinstance(field.default, dict))
+        ):
             for sub, v in value.items():
                 sub = str(sub).replace("-", "_")
                 name = ALIASES.get(sub, sub)
@@ -497,8 +503,8 @@ def validate_sglang(cfg: RunConfig) -> None:
 
 
 def validate_moe(cfg: RunConfig) -> None:
-    """Expert parallelism and offload need a layout that holds them. (The expert count is checked
-    against the model when it is loaded: `miles.train.expert_parallel`.)"""
+    """Expert parallelism needs a layout that holds it. (The expert count is checked against the
+    model when it is loaded: `miles.train.expert_parallel`.)"""
     train, ranks = cfg.train, cfg.sync.training_ranks
     ep = train.expert_model_parallel_size
     if ep > 1 and ranks % ep:
@@ -506,10 +512,38 @@ def validate_moe(cfg: RunConfig) -> None:
             f"--expert-model-parallel-size {ep} must divide the {ranks} training ranks "
             f"(--actor-num-nodes x --actor-num-gpus-per-node); e.g. --actor-num-gpus-per-node {ep}"
         )
-    if train.offload_experts and ranks > 1 and (ep > 1 or cfg.model.device.startswith("cuda")):
+
+
+def true_on_policy_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(flag, why) for each setting that --true-on-policy-mode cannot make bitwise on-policy."""
+    precision, rollout, sync, train = cfg.precision, cfg.rollout, cfg.sync, cfg.train
+    arithmetic = "the two sides would not run the same arithmetic"
+    off_policy = "its rollouts come from older weights, so they are off-policy by design"
+    candidates = [
+        ("--fp8-recipe", precision.fp8_recipe, f"FP8 layers are not batch-invariant: {arithmetic}"),
+        ("--int4-qat", precision.int4_qat, f"INT4 layers are not batch-invariant: {arithmetic}"),
+        ("--int4-rollout-only", precision.int4_rollout_only, f"the engine would run INT4: {arithmetic}"),
+        ("--rollout-backend sglang", cfg.sglang.rollout_backend == "sglang", f"SGLang runs its own kernels: {arithmetic}"),
+        ("--moe-capacity-factor", train.moe_capacity_factor is not None, "a token's drop depends on its batch-mates"),
+        ("--expert-model-parallel-size", train.expert_model_parallel_size > 1, f"sharded experts: {arithmetic}"),
+        ("--rollout-num-gpus-per-engine", sync.rollout_num_gpus_per_engine > 1, f"tensor-parallel engines: {arithmetic}"),
+        ("--async-weight-sync", sync.async_weight_sync, off_policy),
+        ("--partial-rollout", rollout.partial_rollout, off_policy),
+        ("--update-weights-interval", sync.update_weights_interval > 1, off_policy),
+    ]  # fmt: skip
+    return [(flag, why) for flag, on, why in candidates if on]
+
+
+def validate_true_on_policy(cfg: RunConfig) -> None:
+    """--true-on-policy-mode runs where both sides can compute the same bits, and says why not elsewhere."""
+    if not cfg.algo.true_on_policy_mode:
+        return
+    conflicts = true_on_policy_conflicts(cfg)
+    if conflicts:
+        flag, why = conflicts[0]
         raise ConfigError(
-            "--offload-experts runs with one training rank on a GPU (or with data parallelism on CPU), not with "
-            "expert parallelism: expert gradients in host memory are not reduced over NCCL yet"
+            f"--true-on-policy-mode with {flag}: {why}. Remove one of them (docs/algorithms.md lists what "
+            "true on-policy composes with)"
         )
 
 
@@ -603,6 +637,7 @@ def validate(given: RunConfig) -> RunConfig:
     validate_co_evolution(cfg)
     validate_sglang(cfg)
     validate_layout(cfg)
+    validate_true_on_policy(cfg)
     return cfg
 
 
@@ -618,3 +653,10 @@ def describe(cfg: RunConfig) -> str:
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def run_config(path: Path) -> RunConfig:
+    """The configuration a run saved (`<run dir>/config.yaml`, `to_dict`'s sections), validated again."""
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; is {path.parent} a run directory of miles train?")
+    return load_config(["--config", str(path)])

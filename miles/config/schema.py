@@ -188,6 +188,18 @@ class AlgoSection:
     eps_clip_c: float | None = option(
         None, "dual-clip constant (> 1) bounding the loss of negative advantages", bounds="(1, inf)"
     )
+    policy_loss: str = option(
+        "ppo",
+        "ppo (clipped surrogate) | cispo (the clipped ratio as a detached weight on A * logp: every token keeps "
+        "its gradient; bounded above by 1 + --eps-clip-high)",
+        choices=("ppo", "cispo"),
+    )
+    use_opsm: bool = option(
+        False,
+        "off-policy sequence masking: drop negative-advantage tokens of a sequence whose mean "
+        "log(pi_rollout / pi_theta) exceeds --opsm-delta",
+    )
+    opsm_delta: float = option(1e-4, "OPSM threshold on a sequence's mean log-ratio", bounds="[0, inf)")
     loss_agg_mode: str = option(
         "token-mean",
         "token-mean | seq-mean-token-mean | seq-mean-token-sum-norm",
@@ -256,6 +268,12 @@ class AlgoSection:
     verify_logprobs_threshold: float = option(
         0.1, "mean |logp_train - logp_rollout| above which --verify-logprobs stops the run", bounds="(0, inf)"
     )
+    true_on_policy_mode: bool = option(
+        False,
+        "trainer and engines compute every token with the same batch-invariant arithmetic (the kernels of "
+        "--deterministic-expert-routing, for dense models too), so train and rollout log-probs are bitwise "
+        "equal; slower (docs/algorithms.md lists what it composes with)",
+    )
     deterministic_expert_routing: bool = option(
         False,
         "batch-invariant MoE routing and log-probs in trainer and engines: fixed-tile GEMMs, blocked attention and "
@@ -283,6 +301,10 @@ class AlgoSection:
             )
         if self.tis_clip_low > self.tis_clip:
             raise ConfigError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}")
+        if self.opsm_delta != 1e-4 and not self.use_opsm:
+            raise ConfigError("--opsm-delta sets the threshold of --use-opsm; add --use-opsm or remove it")
+        if self.true_on_policy_mode:
+            self.deterministic_expert_routing = True  # the same batch-invariant kernels
         if self.r3_buffer_size is not None and not self.use_r3:
             raise ConfigError(
                 "--r3-buffer-size bounds the routing records kept for replay; add --use-r3 or remove it"
@@ -314,6 +336,36 @@ class TrainSection:
     )
     micro_batch_size: int = option(
         64, "samples per forward/backward (gradient accumulation up to the global batch)", bounds="[1, inf)"
+    )
+    use_dynamic_batch_size: bool = option(
+        False,
+        "cut micro-batches by tokens, not samples: samples sorted by length, each micro-batch filled while "
+        "rows x longest <= --max-tokens-per-gpu; ranks get token-balanced shares (replaces --micro-batch-size)",
+    )
+    max_tokens_per_gpu: int | None = option(
+        None, "with --use-dynamic-batch-size: padded tokens per micro-batch on one rank", bounds="[1, inf)"
+    )
+    recompute_activations: bool = option(
+        False,
+        "activation recomputation: keep each decoder layer's input only and recompute the layer in backward "
+        "(less memory for activations, the time of one more forward)",
+    )
+    optimizer_cpu_offload: bool = option(
+        False,
+        "keep AdamW's state in host memory and step there (GPU runs: frees twice the weights' bytes on the "
+        "device; a CPU run already holds it there, so nothing changes)",
+    )
+    auto_batch: bool = option(
+        False,
+        "size micro-batches by memory: the first steps measure peak memory against tokens per micro-batch and "
+        "the run keeps the largest --max-tokens-per-gpu that fits --memory-budget-gb (implies "
+        "--use-dynamic-batch-size)",
+    )
+    memory_budget_gb: float | None = option(
+        None,
+        "with --auto-batch: the training process's peak memory to stay under (host RSS on CPU, allocated CUDA "
+        "memory on a GPU)",
+        bounds="(0, inf)",
     )
     max_consecutive_skipped_steps: int = option(
         5,
@@ -384,6 +436,27 @@ class TrainSection:
         if self.offload_experts and self.data_parallel == "fsdp":
             raise ConfigError(
                 "--offload-experts with --data-parallel fsdp: FSDP2 owns the parameters' placement; use ddp"
+            )
+        if self.optimizer_cpu_offload and self.data_parallel == "fsdp":
+            raise ConfigError(
+                "--optimizer-cpu-offload with --data-parallel fsdp: FSDP2 owns the sharded parameters and their "
+                "optimizer state; use --data-parallel ddp"
+            )
+        if self.auto_batch != (self.memory_budget_gb is not None):
+            raise ConfigError(
+                "--auto-batch and --memory-budget-gb go together: the run sizes its micro-batches to that budget"
+            )
+        if self.auto_batch:
+            self.use_dynamic_batch_size = True
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None and not self.auto_batch:
+            raise ConfigError(
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu N (padded tokens per micro-batch), or "
+                "--auto-batch --memory-budget-gb G to find N"
+            )
+        if self.max_tokens_per_gpu is not None and not self.use_dynamic_batch_size:
+            raise ConfigError(
+                "--max-tokens-per-gpu sizes the micro-batches of --use-dynamic-batch-size; add it (or use "
+                "--micro-batch-size)"
             )
 
 
@@ -724,6 +797,15 @@ class DebugSection:
     load_debug_rollout_data: str | None = option(
         None, "the --save-debug-rollout-data pattern a --debug-train-only run reads"
     )
+    mismatch_dump_interval: int = option(
+        0,
+        "every N rollouts keep a few of its samples with the trainer's and the engine's weights in "
+        "<run dir>/mismatch (the latest only), for `miles doctor --localize-mismatch RUN_DIR` (0: off)",
+        bounds="[0, inf)",
+    )
+    mismatch_dump_samples: int = option(
+        4, "samples each --mismatch-dump-interval dump keeps", bounds="[1, inf)"
+    )
 
     def check(self) -> None:
         if self.save_debug_rollout_data and "{rollout_id}" not in self.save_debug_rollout_data:
@@ -738,6 +820,10 @@ class DebugSection:
             )
         if self.debug_train_only and self.debug_rollout_only:
             raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other")
+        if self.mismatch_dump_samples != 4 and not self.mismatch_dump_interval:
+            raise ConfigError(
+                "--mismatch-dump-samples sizes the dumps of --mismatch-dump-interval; add --mismatch-dump-interval N"
+            )
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import resource
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
@@ -24,8 +25,10 @@ def _peak_rss() -> int:
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def step_peak_memory(device=None) -> dict[str, int]:
-    """This process's peak memory since the last call (bytes); then starts the next window."""
+_carried: dict[str, int] = {}  # peaks of windows read inside the current step (`measure_peak`)
+
+
+def _read_and_reset(device) -> dict[str, int]:
     out = {"peak_rss": _peak_rss()}
     try:
         _CLEAR.write_text("5")  # reset VmHWM to the current RSS
@@ -38,6 +41,33 @@ def step_peak_memory(device=None) -> dict[str, int]:
         out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
     return out
+
+
+def _carry(peaks: dict[str, int]) -> None:
+    for key, value in peaks.items():
+        _carried[key] = max(_carried.get(key, 0), value)
+
+
+def step_peak_memory(device=None) -> dict[str, int]:
+    """This process's peak memory since the last call (bytes); then starts the next window."""
+    out = _read_and_reset(device)
+    for key, value in _carried.items():
+        out[key] = max(out.get(key, 0), value)
+    _carried.clear()
+    return out
+
+
+@contextmanager
+def measure_peak(device=None):
+    """The peak memory of the work inside the block: yields a dict filled on exit (`peak_rss`,
+    and `cuda_max_allocated` on a GPU). The step's own peak (`step_peak_memory`) still counts it."""
+    _carry(_read_and_reset(device))
+    window: dict[str, int] = {}
+    try:
+        yield window
+    finally:
+        window.update(_read_and_reset(device))
+        _carry(window)
 
 
 def memory_metrics(role: str, per_process: list[dict[str, int]]) -> dict[str, float]:

@@ -373,6 +373,14 @@ def _mismatch_remedies(run: RunRecord) -> list[Remedy]:
         remedies.append(
             Remedy(["--verify-logprobs"], "stop the run when the mean gap passes --verify-logprobs-threshold")
         )
+    if not run.setting("debug.mismatch_dump_interval"):
+        remedies.append(
+            Remedy(
+                ["--mismatch-dump-interval", "1"],
+                "to find where: keep a few samples with both sides' weights, then `miles doctor "
+                "--localize-mismatch RUN_DIR` names the first layer and op where trainer and engine part",
+            )
+        )
     return remedies
 
 

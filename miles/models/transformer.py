@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from miles.models.config import ModelConfig
 from miles.models.kv_cache import KVCache, Rows
@@ -281,6 +282,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", make_linear)
 
+    def forward(self, h, rope, mask, cache, before, collect_kv: bool, forced, valid):
+        """The residual stream h (B, T, hidden) through attention and MLP/MoE -> (h, this layer's
+        (k, v) when collected, router logits (B, T, E) and routing record (B, T, K) of a MoE layer)."""
+        B, T, _ = h.shape
+        attn = self.self_attn(self.input_layernorm(h), rope, mask, cache, before, collect_kv)
+        pair = None
+        if collect_kv:
+            attn, pair = attn
+        h = h + attn
+        x = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return h + self.mlp(x), pair, None, None
+        y, logits, ids = self.mlp(x.reshape(B * T, -1), forced, valid)
+        return h + y.view(B, T, -1), pair, logits.view(B, T, -1), ids.view(B, T, -1)
+
 
 class Backbone(nn.Module):
     """`model.*` in Hugging Face naming: embeddings, layers, final norm."""
@@ -308,6 +324,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # --recompute-activations: each decoder layer keeps only its input for backward and runs
+        # again there (training forwards only; never with a KV cache)
+        self.recompute_activations = False
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> Transformer:
         """Random initialisation as in transformers (normal(0, std), norms at 1, biases at 0)."""
@@ -382,22 +401,19 @@ class Transformer(nn.Module):
             before = None
             if prefix is not None:
                 before = tuple(t.index_select(0, prefix.rows) for t in prefix.kv[i])
-            attn = layer.self_attn(layer.input_layernorm(h), rope, mask, layer_cache, before, collect_kv)
-            if collect_kv:
-                attn, pair = attn
-                kv.append(pair)
-            h = h + attn
-            x = layer.post_attention_layernorm(h)
-            if layer.is_moe:
-                forced = None
-                if forced_experts is not None:
-                    forced = forced_experts[:, :, len(routed)].reshape(B * T, -1)
-                y, logits, ids = layer.mlp(x.reshape(B * T, -1), forced, valid)
-                h = h + y.view(B, T, -1)
-                router_logits.append(logits.view(B, T, -1))
-                routed.append(ids.view(B, T, -1))
+            forced = None
+            if forced_experts is not None and layer.is_moe:
+                forced = forced_experts[:, :, len(routed)].reshape(B * T, -1)
+            args = (h, rope, mask, layer_cache, before, collect_kv, forced, valid)
+            if self.recompute_activations and cache is None and torch.is_grad_enabled():
+                h, pair, logits, ids = checkpoint(layer, *args, use_reentrant=False)
             else:
-                h = h + layer.mlp(x)
+                h, pair, logits, ids = layer(*args)
+            if collect_kv:
+                kv.append(pair)
+            if layer.is_moe:
+                router_logits.append(logits)
+                routed.append(ids)
         if logits_at is not None:  # generation needs the last position only: skip the big lm_head matmul
             h = h[torch.arange(B, device=device), logits_at][:, None]
         logits = self.lm_head(self.model.norm(h)).float()

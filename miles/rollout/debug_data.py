@@ -28,10 +28,27 @@ def rollout_file(pattern: str, rollout_id: int) -> Path:
     return Path(pattern.format(rollout_id=rollout_id))
 
 
+def to_record(sample: Sample) -> dict:
+    """A sample as a plain dict (`status` as its string), for torch.save."""
+    return {**dataclasses.asdict(sample), "status": sample.status.value}
+
+
+def from_record(record: dict) -> Sample:
+    return Sample(**{**record, "status": Status(record["status"])})
+
+
+def load_versioned(path: Path, fmt: str) -> dict:
+    """A `torch.save`d dict whose `format` is `fmt` (ValueError otherwise)."""
+    data = torch.load(path, weights_only=False)
+    if data.get("format") != fmt:
+        raise ValueError(f"format {data.get('format')!r}, expected {fmt!r}")
+    return data
+
+
 def save_rollout(pattern: str, rollout_id: int, groups: Sequence[Sequence[Sample]], metrics: dict) -> Path:
     path = rollout_file(pattern, rollout_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = [[{**dataclasses.asdict(s), "status": s.status.value} for s in g] for g in groups]
+    records = [[to_record(s) for s in g] for g in groups]
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"format": FORMAT, "rollout_id": rollout_id, "metrics": dict(metrics), "groups": records}, tmp)
     tmp.replace(path)
@@ -47,10 +64,8 @@ def load_rollout(pattern: str, rollout_id: int) -> tuple[list[list[Sample]], dic
             "one file per rollout it ran (give --num-rollout at most that many)"
         )
     try:
-        data = torch.load(path, weights_only=False)
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT!r}")
-        groups = [[Sample(**{**s, "status": Status(s["status"])}) for s in g] for g in data["groups"]]
+        data = load_versioned(path, FORMAT)
+        groups = [[from_record(s) for s in g] for g in data["groups"]]
     except Exception as e:  # noqa: BLE001 - torn, foreign or from another version
         raise MilesError(f"--load-debug-rollout-data: {path} cannot be read ({e})") from e
     return groups, dict(data["metrics"])

@@ -21,6 +21,7 @@ from miles.config import to_dict
 from miles.config.schema import RunConfig
 from miles.data.run_data import RunData, build_data
 from miles.diagnostics.memory import describe_bytes, memory_metrics, step_peak_memory
+from miles.diagnostics.mismatch_dump import save_dump
 from miles.errors import ConfigError, MilesError
 from miles.models import registry
 from miles.models.checkpoint import save_model
@@ -35,7 +36,7 @@ from miles.runtime.devices import resolve_device
 from miles.runtime.executors import build_executor, on_ray
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
-from miles.runtime.protocols import ReportsEngineTimes, Rollout, SwitchesPrecision, Trainer
+from miles.runtime.protocols import ReadsWeightsBack, ReportsEngineTimes, Rollout, SwitchesPrecision, Trainer
 from miles.runtime.speculation import OnlineDraft
 from miles.runtime.train_state import resume, save_checkpoint
 from miles.sync.strategy import WeightSync
@@ -100,6 +101,7 @@ def train(cfg: RunConfig) -> Path:
             nonconstant_reward if path == "default" else load_function(path, "--dynamic-sampling-filter-path")
         )
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
+    check_token_budget(cfg, data.max_prompt_len)
     critic = None
     if cfg.algo.advantage_estimator == "ppo" and not on_ray(cfg):  # from the policy as loaded, before FP8
         model = value_model(policy, cfg.algo.critic_model, cfg.train.seed)
@@ -204,6 +206,17 @@ def run_loop(run: Run) -> Path:
         run.trainer.sync_policy()
         save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
     return run.run_dir
+
+
+def check_token_budget(cfg: RunConfig, longest_prompt: int) -> None:
+    """A token budget must hold the longest sample the run can train on (no sample is split)."""
+    budget, response = cfg.train.max_tokens_per_gpu, cfg.rollout.rollout_max_response_len
+    if cfg.train.use_dynamic_batch_size and budget is not None and budget < longest_prompt + response:
+        raise ConfigError(
+            f"--max-tokens-per-gpu {budget} is smaller than the longest sample this run can train on: its longest "
+            f"prompt ({longest_prompt} tokens) + --rollout-max-response-len {response} = {longest_prompt + response} "
+            f"tokens, and a sample is never split; use at least {longest_prompt + response}"
+        )
 
 
 def rebuild_draft(run: Run):
@@ -341,6 +354,8 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
 
     with profiler.phase("miles.train"):
         samples = [s for g in groups for s in g]
+        if due(cfg.debug.mismatch_dump_interval, rollout_id):  # before training: the generating weights
+            dump_for_localization(run, samples, rollout_id)
         if run.critic is not None:
             metrics = train_with_critic(run, samples, rollout_id, reference_kl)
             if rollout_id < cfg.algo.critic_warmup:
@@ -361,6 +376,15 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
             rollout_id, rollout_id + 1, sync.tensors, sync.buckets, sync.moved_bytes, sync.seconds,
         )  # fmt: skip
     return metrics
+
+
+def dump_for_localization(run: Run, samples: list, rollout_id: int) -> None:
+    """--mismatch-dump-interval: this rollout's first samples with the trainer's weights and the
+    engine's served ones, for `miles doctor --localize-mismatch`."""
+    run.trainer.sync_policy()
+    engine = run.rollout.states()[0] if isinstance(run.rollout, ReadsWeightsBack) else None
+    kept = samples[: run.cfg.debug.mismatch_dump_samples]
+    save_dump(run.run_dir, rollout_id, kept, run.policy.state_dict(), engine)
 
 
 def train_with_critic(run: Run, samples: list, rollout_id: int, reference_kl) -> dict[str, float]:

@@ -25,6 +25,7 @@ from miles.errors import MilesError
 from miles.runtime.placement import rendezvous
 from miles.sync.group import GroupSender
 from miles.sync.object_store import from_object_store, put_buckets
+from miles.train.micro_batches import rank_shares
 
 
 def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
@@ -32,12 +33,13 @@ def all_reduce_gradients(model: torch.nn.Module, finite: bool) -> bool:
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flag = torch.tensor([0.0 if finite else 1.0], device=grads[0].device)
-    flat = torch.cat([g.reshape(-1) for g in grads] + [flag])
+    # on the first gradient's device: offloaded experts' gradients live in host memory
+    flat = torch.cat([g.reshape(-1).to(flag.device) for g in grads] + [flag])
     dist.all_reduce(flat)
     flat /= dist.get_world_size()
     offset = 0
     for p, g in zip(params, grads):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+        p.grad = flat[offset : offset + g.numel()].view_as(g).to(p.device, copy=True)
         offset += g.numel()
     return bool(flat[-1] == 0)
 
@@ -47,6 +49,13 @@ def all_reduce_finite(finite: bool, device: torch.device) -> bool:
     flag = torch.tensor([0.0 if finite else 1.0], device=device)
     dist.all_reduce(flag)
     return bool(flag[0] == 0)
+
+
+def all_max(count: int, device: torch.device) -> int:
+    """The largest `count` over the ranks."""
+    value = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value[0])
 
 
 def all_sum(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -122,6 +131,8 @@ class TrainerActor(GroupSender):
             self.actor = PolicyTrainer(policy, cfg, world=world)
             self.actor.grad_sync = lambda finite: all_reduce_gradients(policy, finite)
         self.actor.all_sum = lambda values: all_sum(values, device)
+        if self.fsdp or self.ep is not None:  # collectives in every forward: ranks run as many micro-batches
+            self.actor.all_max = lambda count: all_max(count, device)
 
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         return self.actor.train(samples, advantages)
@@ -292,7 +303,7 @@ class RayTrainer:
         self.ranks = [
             TrainerActor.options(**options[r]).remote(r, world, port, cfg, addr=addr) for r in range(world)
         ]
-        self.policy, self.world = policy, world
+        self.policy, self.world, self.cfg = policy, world, cfg
         self._policy_stale = False
         # whole-state reads need every rank (FSDP shards, expert parallelism splits the experts)
         self._collective = cfg.train.data_parallel == "fsdp" or cfg.train.expert_model_parallel_size > 1
@@ -316,10 +327,11 @@ class RayTrainer:
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         if len(samples) % self.world:
             raise ValueError(f"{len(samples)} samples do not split over {self.world} training ranks")
-        shards = zip(
-            self.ranks, split_evenly(list(samples), self.world), split_evenly(list(advantages), self.world)
-        )
-        calls = self._submit(lambda: [r.train.remote(s, a) for r, s, a in shards])
+        train = self.cfg.train
+        lengths = [len(s.tokens) for s in samples]
+        shares = rank_shares(lengths, self.world, train.global_batch_size, train.use_dynamic_batch_size)
+        shards = [([samples[i] for i in share], [advantages[i] for i in share]) for share in shares]
+        calls = self._submit(lambda: [r.train.remote(s, a) for r, (s, a) in zip(self.ranks, shards)])
         try:
             per_rank = ray.get(calls)
         except RayActorError as e:  # a rank died: its gradients are lost, the step cannot finish

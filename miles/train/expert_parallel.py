@@ -149,7 +149,9 @@ def all_reduce_gradients(model: nn.Module, ep: ExpertParallel, finite: bool) -> 
         if not part:
             continue
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part]
-        flat = torch.cat([g.reshape(-1) for g in grads] + ([flag] if group is None else []))
+        # reduced on the compute device: offloaded experts' gradients live in host memory (NCCL
+        # reduces device tensors only), and go back there
+        flat = torch.cat([g.reshape(-1).to(flag.device) for g in grads] + ([flag] if group is None else []))
         if group is None or dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
         if group is None:
@@ -157,7 +159,7 @@ def all_reduce_gradients(model: nn.Module, ep: ExpertParallel, finite: bool) -> 
         flat /= ep.world
         offset = 0
         for p, g in zip(part, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            p.grad = flat[offset : offset + g.numel()].view_as(g).to(p.device, copy=True)
             offset += g.numel()
     return bool(flag[0] == 0)
 

@@ -19,17 +19,21 @@ from collections.abc import Sequence
 import torch
 
 from miles.algo.logprobs import entropy as entropy_of
-from miles.algo.losses import kl_estimate, policy_loss
-from miles.algo.masked import aggregate
+from miles.algo.losses import cispo_loss, kl_estimate, opsm_keep, policy_loss
+from miles.algo.masked import aggregate, masked_mean
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
-from miles.diagnostics.memory import training_memory
+from miles.diagnostics.memory import measure_peak, training_memory
+from miles.errors import ConfigError
 from miles.models.checkpoint import hf_state_dict
 from miles.models.transformer import Transformer
 from miles.quant.convert import fp8_metrics
 from miles.sync.transports import share
+from miles.train.auto_batch import AutoBatch
 from miles.train.batch import PackedBatch, forward_logprobs, pack_samples, recorded_routing
+from miles.train.host_optimizer import HostAdamW
+from miles.train.micro_batches import fixed_micro_batches, split_to_count, token_micro_batches
 from miles.train.moe_stats import LoadAccumulator, load_balancing_loss, router_entropy_sum, routing_counts
 
 log = logging.getLogger("miles")
@@ -84,6 +88,31 @@ def needs_reference(cfg: RunConfig) -> bool:
     return (algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0
 
 
+PEAK_KEY = {False: "peak_rss", True: "cuda_max_allocated"}  # what --memory-budget-gb bounds, by device
+
+
+def padded_tokens(samples: Sequence[Sample]) -> int:
+    """Tokens a micro-batch of `samples` computes: rows x the longest (packed) sample."""
+    return len(samples) * max(len(s.tokens) - 1 for s in samples)
+
+
+def auto_batch_for(cfg: RunConfig, model: Transformer, host_optimizer: bool) -> AutoBatch:
+    """--auto-batch: refused when the budget cannot even hold the weights, their gradients and
+    AdamW's two moments (before any activation)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    static = weights + trainable * (1 if host_optimizer else 3)
+    budget = cfg.train.memory_budget_gb * 1e9
+    if static > budget:
+        raise ConfigError(
+            f"--memory-budget-gb {cfg.train.memory_budget_gb:g} is below what training holds before any "
+            f"activation: weights {weights / 1e9:.3f} GB + gradients {trainable / 1e9:.3f} GB"
+            + ("" if host_optimizer else f" + AdamW state {2 * trainable / 1e9:.3f} GB")
+            + f" = {static / 1e9:.3f} GB; give more than that"
+        )
+    return AutoBatch(budget, floor_tokens=1)
+
+
 class PolicyTrainer:
     def __init__(
         self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None, world: int = 1
@@ -93,7 +122,13 @@ class PolicyTrainer:
         self.model, self.cfg = model.train(), cfg
         self.device = model.lm_head.weight.device  # batches go there; metrics come back as floats
         train_cfg = cfg.train
-        self.optimizer = torch.optim.AdamW(
+        # --optimizer-cpu-offload on a GPU: the moments in host memory (a CPU run holds them there already)
+        host = train_cfg.optimizer_cpu_offload and self.device.type != "cpu"
+        if train_cfg.optimizer_cpu_offload and not host:
+            log.info(
+                "--optimizer-cpu-offload: training runs on CPU, its optimizer state is in host memory already"
+            )
+        self.optimizer = (HostAdamW if host else torch.optim.AdamW)(
             model.parameters(),
             lr=train_cfg.lr,
             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
@@ -115,6 +150,12 @@ class PolicyTrainer:
         # this rank's share of each optimizer step, and of each forward/backward
         self.step_samples = cfg.train.global_batch_size // world
         self.micro_samples = min(cfg.train.micro_batch_size, self.step_samples)
+        # --use-dynamic-batch-size: padded tokens per micro-batch (None: cut by --micro-batch-size)
+        self.token_budget = cfg.train.max_tokens_per_gpu if cfg.train.use_dynamic_batch_size else None
+        # set by a runner whose forwards are collective (FSDP, expert parallelism): the largest of an int
+        # over ranks, so every rank runs as many micro-batches as the busiest
+        self.all_max = None
+        self.auto = auto_batch_for(cfg, model, host) if cfg.train.auto_batch else None
 
     def state_dict(self) -> dict:
         return {
@@ -206,26 +247,50 @@ class PolicyTrainer:
                 p.data = p.data.to(device)
                 if p.grad is not None:
                     p.grad = p.grad.to(device)
-        for state in self.optimizer.state.values():
+        for state in [] if isinstance(self.optimizer, HostAdamW) else self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0:
                     moved += value.numel() * value.element_size()
                     state[key] = value.to(device)
         return moved
 
+    def micro_batches(self, indices: Sequence[int], samples: Sequence[Sample]) -> list[list[int]]:
+        """`indices` of `samples` cut into micro-batches: by count, or by padded tokens
+        (`miles.train.micro_batches`)."""
+        budget = self.auto.tokens if self.auto is not None else self.token_budget
+        if budget is None:
+            batches = fixed_micro_batches(indices, self.micro_samples)
+        else:
+            batches = token_micro_batches(indices, [len(s.tokens) - 1 for s in samples], budget)
+        if self.all_max is not None:
+            batches = split_to_count(batches, self.all_max(len(batches)))
+        return batches
+
+    def _plan(self, indices: list[int], samples: Sequence[Sample]):
+        """The step's micro-batches; under --auto-batch each is cut with the budget its
+        predecessors' measurements chose (all at once where ranks must agree on the count)."""
+        if self.auto is None or self.all_max is not None:
+            yield from self.micro_batches(indices, samples)
+            return
+        self.auto.floor = max(self.auto.floor, max(len(samples[i].tokens) - 1 for i in indices))
+        remaining = list(indices)
+        while remaining:
+            first, *rest = self.micro_batches(remaining, samples)
+            yield first
+            remaining = [i for part in rest for i in part]
+
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample], model: Transformer | None = None) -> list[torch.Tensor]:
         """Per-sample response log-probs under `model` (default: the policy), micro-batched."""
         model = model or self.model
-        out = []
-        mb = self.cfg.train.micro_batch_size
-        for i in range(0, len(samples), mb):
-            chunk = samples[i : i + mb]
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for part in self.micro_batches(range(len(samples)), samples):
+            chunk = [samples[i] for i in part]
             batch = pack_samples(chunk, self.cfg.algo.use_r3, shares_prompts(self.cfg))
             logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
-            for b, s in enumerate(chunk):
-                out.append(logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone())
-        return out
+            for b, (i, s) in enumerate(zip(part, chunk)):
+                out[i] = logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone()
+        return out  # type: ignore[return-value]
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-token log pi - log pi_ref of each response (the KL penalty REINFORCE++ folds into
@@ -253,7 +318,8 @@ class PolicyTrainer:
             weights[name] += weight
 
         self.load = LoadAccumulator()  # MoE load over this call's micro-batches
-        gbs, mbs = self.step_samples, self.micro_samples
+        highest = 0  # --auto-batch: the largest micro-batch peak measured in this call
+        gbs = self.step_samples
         agg = cfg.algo.loss_agg_mode
         for start in range(0, len(samples), gbs):
             idx = list(range(start, min(start + gbs, len(samples))))
@@ -264,16 +330,23 @@ class PolicyTrainer:
             self.step_chosen = None  # --moe-aux-loss-type global: expert counts of the step so far
             finite = True
             step_losses: dict[str, float] = dict.fromkeys(ADDITIVE_METRICS, 0.0)
-            for m0 in range(0, len(idx), mbs):
-                mi = idx[m0 : m0 + mbs]
+            for mi in self._plan(idx, samples):
                 chunk = [samples[i] for i in mi]
-                loss, parts = self._micro_batch(
-                    chunk,
-                    [advantages[i] for i in mi],
-                    [old[i] for i in mi],
-                    None if ref is None else [ref[i] for i in mi],
-                    denominator,
-                )
+                with measure_peak(self.device) as peak:
+                    loss, parts = self._micro_batch(
+                        chunk,
+                        [advantages[i] for i in mi],
+                        [old[i] for i in mi],
+                        None if ref is None else [ref[i] for i in mi],
+                        denominator,
+                    )
+                    if torch.isfinite(loss):
+                        # ranks average their gradients; the world factor turns that into the global sum
+                        (loss * self.world).backward()
+                if self.auto is not None:
+                    measured = peak[PEAK_KEY[self.device.type == "cuda"]]
+                    self.auto.observe(padded_tokens(chunk), measured)
+                    highest = max(highest, measured)
                 tokens = loss_denominator(chunk, "token-mean")
                 for k, v in parts.items():
                     if k in step_losses:
@@ -283,8 +356,6 @@ class PolicyTrainer:
                 if not torch.isfinite(loss):
                     finite = False
                     break
-                # ranks average their gradients; the world factor turns that into the global sum
-                (loss * self.world).backward()
             if self.grad_sync is not None:  # data parallelism: average gradients over ranks
                 finite = self.grad_sync(finite)
             present = [k for k in ADDITIVE_METRICS if k in parts]  # the same keys on every rank
@@ -320,6 +391,9 @@ class PolicyTrainer:
         if self.load.chosen is not None:  # the same layers and experts on every rank
             out.update(self.load.metrics(self._sum_over_ranks(self.load.flat())))
         out["consecutive_skipped_steps"] = self.consecutive_skipped
+        if self.auto is not None:
+            out["auto_batch_tokens"] = self.auto.tokens
+            out["auto_batch_peak_gb"] = highest / 1e9
         out.update(fp8_metrics(self.model))
         return out
 
@@ -359,12 +433,20 @@ class PolicyTrainer:
             )
             weights = w.weights
             parts.update(tis_mean=float(w.mean), tis_clipfrac=float(w.clipfrac))
-        pl = policy_loss(
-            logp, old_t, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c,
-            ratio_type="sequence" if algo.advantage_estimator == "gspo" else "token",
-            agg=algo.loss_agg_mode, norm_length=cfg.rollout.rollout_max_response_len, token_weights=weights,
-            denominator=denominator,
-        )  # fmt: skip
+        if algo.use_opsm:  # behaviour policy: the engine's log-probs where recorded
+            keep = opsm_keep(logp, rollout_t if has_rollout else old_t, adv, mask, algo.opsm_delta)
+            parts["opsm_masked_frac"] = float(masked_mean(1.0 - keep, mask.float()))
+            weights = keep if weights is None else weights * keep
+        agg, norm = algo.loss_agg_mode, cfg.rollout.rollout_max_response_len
+        if algo.policy_loss == "cispo":
+            eps_high = algo.eps_clip if algo.eps_clip_high is None else algo.eps_clip_high
+            pl = cispo_loss(logp, old_t, adv, mask, eps_high, agg, norm, weights, denominator)
+        else:
+            pl = policy_loss(
+                logp, old_t, adv, mask, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c,
+                ratio_type="sequence" if algo.advantage_estimator == "gspo" else "token",
+                agg=agg, norm_length=norm, token_weights=weights, denominator=denominator,
+            )  # fmt: skip
         loss = pl.loss
         parts.update(
             pg_loss=float(pl.loss.detach()),
@@ -372,7 +454,6 @@ class PolicyTrainer:
             pg_dual_clipfrac=float(pl.dual_clipfrac),
             ppo_kl=float(pl.approx_kl),
         )
-        agg, norm = algo.loss_agg_mode, cfg.rollout.rollout_max_response_len
         if algo.entropy_coef > 0:
             ent = aggregate(entropy_of(logits), mask, agg, norm, denominator)
             loss = loss - algo.entropy_coef * ent

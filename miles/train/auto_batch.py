@@ -1,0 +1,64 @@
+"""--auto-batch --memory-budget-gb G: the largest token budget per micro-batch that fits G.
+
+No peer sizes its own micro-batches; users find --max-tokens-per-gpu by trial and error. Here
+the trainer measures each micro-batch's peak memory (host RSS on CPU, allocated CUDA memory on a
+GPU) against its padded tokens, fits peak = base + slope x tokens, and takes the budget where the
+line meets G less a margin. It starts from the longest sample alone and grows at most 2x per
+micro-batch beyond the largest size measured, so it never leaps past what it has seen; every
+new measurement refits the line, so longer responses later in a run are seen as they come.
+Gradient accumulation is exact for any split, so changing the budget between micro-batches
+changes nothing but memory and speed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("miles")
+
+MARGIN = 0.1  # keep this share of the budget free: allocator slack, a longer batch than measured
+GROWTH = 2.0  # at most this many times the largest measured micro-batch
+
+
+class AutoBatch:
+    def __init__(self, budget_bytes: float, floor_tokens: int) -> None:
+        """`floor_tokens`: the longest sample (a micro-batch never holds less)."""
+        self.limit = budget_bytes * (1 - MARGIN)
+        self.floor = floor_tokens
+        self.tokens = floor_tokens  # the budget in use
+        self.points: list[tuple[int, int]] = []  # (padded tokens of a micro-batch, its peak bytes)
+        self.warned = False
+
+    def fit(self) -> tuple[float, float]:
+        """(base bytes, bytes per token) by least squares; with one size measured, base 0 (an
+        overestimate of the slope: the safe side)."""
+        xs = [float(t) for t, _ in self.points]
+        ys = [float(p) for _, p in self.points]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        if spread == 0:
+            return 0.0, mean_y / mean_x
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+        return mean_y - slope * mean_x, slope
+
+    def observe(self, tokens: int, peak: int) -> None:
+        """One micro-batch of `tokens` padded tokens peaked at `peak` bytes: choose the next budget."""
+        self.points = (self.points + [(tokens, peak)])[-64:]
+        base, slope = self.fit()
+        largest = max(t for t, _ in self.points)
+        room = self.limit - base
+        wanted = room / slope if slope > 0 else float("inf")
+        chosen = max(self.floor, int(min(wanted, GROWTH * largest)))
+        if base + slope * self.floor > self.limit and not self.warned:
+            log.warning(
+                "--auto-batch: even one longest sample (%d tokens) is predicted to peak at %.2f GB, over the "
+                "--memory-budget-gb budget less its margin (%.2f GB); micro-batches stay at one sample",
+                self.floor, (base + slope * self.floor) / 1e9, self.limit / 1e9,
+            )  # fmt: skip
+            self.warned = True
+        if chosen != self.tokens:
+            log.debug(
+                "--auto-batch: %d -> %d tokens per micro-batch (measured %.3f GB at %d tokens; fit %.3f GB + %.3g "
+                "MB/token)", self.tokens, chosen, peak / 1e9, tokens, base / 1e9, slope / 1e6,
+            )  # fmt: skip
+        self.tokens = chosen
