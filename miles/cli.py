@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -89,12 +90,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from miles.rollout.engine import Engine
     from miles.rollout.server import EngineServer
 
+    if not 0 <= args.port <= 65535:
+        raise MilesError(f"--port {args.port}: a TCP port is 0-65535 (0: any free port)")
     cfg = engine_config(args, spec_max_batch_size="rollout_max_batch_size")
     model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings
-    if args.max_seq_len > context:
+    if args.max_seq_len is not None and args.max_seq_len > context:
         print(f"miles serve: --max-seq-len {args.max_seq_len} is beyond the model's context; using {context}")
-    max_seq_len = min(args.max_seq_len, context)
+    max_seq_len = min(args.max_seq_len or context, context)
     slots = cfg.rollout.rollout_max_batch_size
     engine = Engine(
         model,
@@ -105,7 +108,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculator=speculator_for(cfg.speculative, model, slots, max_seq_len),
         **cfg.rollout.decode_options(),
     )
-    server = EngineServer(engine, host=args.host, port=args.port, model_path=cfg.model.model).start()
+    try:
+        server = EngineServer(engine, host=args.host, port=args.port, model_path=cfg.model.model).start()
+    except OSError as e:
+        raise MilesError(
+            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); is another server on "
+            "that port? Pick another --port (0: any free one)"
+        ) from e
     print(
         f"miles serve: {cfg.model.model} on {server.url} (POST /generate, GET /health); Ctrl-C stops",
         flush=True,
@@ -160,6 +169,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
     from miles.train.sft import SFTConfig, run_sft
 
+    if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
+        raise MilesError(f"--save {args.save}: is a file; give a directory (it is created when missing)")
     try:
         task_config = json.loads(args.task_config) if args.task_config else None
     except json.JSONDecodeError as e:
@@ -222,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="miles",
         description="miles: RL post-training for LLMs (GRPO/PPO with verifiable rewards), CPU to GPU cluster.",
     )
+    from miles import __version__
+
+    parser.add_argument("--version", action="version", version=f"miles {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser(
         "generate",
@@ -254,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-seq-len",
         type=number(int, 2),
-        default=2048,
-        help="prompt + response tokens per request (at most the model's context; capped there)",
+        default=None,
+        help="prompt + response tokens per request (default and at most: the model's context)",
     )
     add_field_flags(
         serve,
@@ -276,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sft",
         help="supervised fine-tuning on a task or a JSONL file",
         description="Supervised fine-tuning: cross-entropy on the answer tokens (answer + EOS).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sft.add_argument("--model", default="tiny-random", help="model to start from (default: tiny-random)")
     sft.add_argument("--task", help="reasoning-gym task, e.g. basic_arithmetic")
@@ -368,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     except MilesError as e:
         print(f"miles {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `miles doctor --json | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

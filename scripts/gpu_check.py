@@ -318,6 +318,20 @@ def expert_offload_on_cuda() -> None:
     )
 
 
+def true_on_policy_on_cuda() -> None:
+    """--true-on-policy-mode on a GPU: are the batch-invariant tiles bitwise on cuBLAS too?"""
+    from miles.config import load_config
+    from miles.runtime.loop import train
+
+    out = Path(tempfile.mkdtemp())
+    args = ["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "3", "--eval-interval", "0",
+            "--no-progress", "--device", "cuda", "--output-dir", str(out), "--true-on-policy-mode"]  # fmt: skip
+    train(load_config(args))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    gap = max(r["train_rollout_logprob_abs_diff_max"] for r in rows if r["rollout"] >= 0)
+    check("true on-policy on cuda: train/rollout log-probs bitwise", gap == 0.0, f"max |diff| {gap:.3g}")
+
+
 def sglang_backend() -> None:
     """--rollout-backend sglang against a real SGLang server, where the machine has SGLang: the
     default job's first 25 steps learn as with the built-in engine (weights through disk)."""
@@ -388,6 +402,15 @@ def main() -> None:
         ["--deterministic-expert-routing"], "default job, --device cuda, deterministic routing"
     )
     default_job_on_cuda(["--moe-capacity-factor", "1.25"], "default job, --device cuda, capacity 1.25")
+    true_on_policy_on_cuda()
+    default_job_on_cuda(
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048", "--recompute-activations",
+         "--optimizer-cpu-offload"],
+        "default job, token budget + recomputation + optimizer offload",
+    )  # fmt: skip
+    default_job_on_cuda(
+        ["--auto-batch", "--memory-budget-gb", "2"], "default job, --auto-batch (2 GB of CUDA memory)"
+    )
     sglang_backend()
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)

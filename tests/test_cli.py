@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from miles.cli import main
 from miles.models import registry
 from tests.conftest import greedy
@@ -82,3 +84,12 @@ def test_serve_and_generate_spell_shared_options_as_train_does():
                 shared += 1
                 assert (flags, help_text) == train[dest], (name, dest)
     assert shared >= 8
+
+
+def test_version_is_printed(capsys):
+    import miles
+    from miles.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"miles {miles.__version__}"

@@ -125,8 +125,17 @@ def test_help_explains_without_figures():
             "--fp8-rollout-only with --rollout-num-gpus-per-engine > 1",
         ),
         (["--async-weight-sync", "--max-staleness", "0"], "--max-staleness must be >= 1"),
+        (["--partial-rollout"], "add --over-sampling-batch-size above 32"),
         (
-            ["--partial-rollout", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
+            [
+                "--partial-rollout",
+                "--over-sampling-batch-size",
+                "64",
+                "--rollout-num-gpus",
+                "2",
+                "--rollout-num-gpus-per-engine",
+                "2",
+            ],
             "--partial-rollout with --rollout-num-gpus-per-engine > 1",
         ),
         (
@@ -236,3 +245,16 @@ def test_task_config_on_the_command_line_is_json():
         load_config(["--task-config", "max_digits=1"])
     with pytest.raises(ConfigError, match="--task-config expects dict"):
         load_config(["--task-config", "[1, 2]"])  # JSON, but not an object
+
+
+def test_an_explicit_flag_beats_the_environment_and_bad_switches_are_named(monkeypatch):
+    from miles.config import load_config
+    from miles.errors import ConfigError
+
+    monkeypatch.setenv("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "1")
+    assert load_config(["--eval-size", "0"]).precision.int4_qat is True
+    assert load_config(["--eval-size", "0", "--no-int4-qat"]).precision.int4_qat is False
+    monkeypatch.delenv("OPEN_TRAINING_INT4_FAKE_QAT_FLAG")
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "2")
+    with pytest.raises(ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES='2': use 1 .on. or 0"):
+        load_config(["--eval-size", "0", "--fp8-recipe", "blockwise"])

@@ -97,6 +97,35 @@ CASES = [
         ],
         "--debug-train-only runs in one process",
     ),
+    # flags that do nothing without a companion name the flag to add
+    (["--spec-lookahead", "3"], "--spec-lookahead has no effect without a draft; add --draft-model"),
+    (["--draft-lr", "0.01"], "--draft-lr has no effect without a draft; add --draft-model"),
+    (["--partial-rollout"], "add --over-sampling-batch-size above 2"),
+    (["--save-interval", "2"], "add --save DIR"),
+    (["--max-staleness", "2"], "add --async-weight-sync"),
+    (["--resume-if-present"], "add --load DIR"),
+    (["--opsm-delta", "0.01"], "add --use-opsm"),
+    (["--mismatch-dump-samples", "2"], "add --mismatch-dump-interval N"),
+    (
+        ["--max-tokens-per-gpu", "512"],
+        "--max-tokens-per-gpu sizes the micro-batches of --use-dynamic-batch-size",
+    ),
+    (["--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-gpu N"),
+    (["--memory-budget-gb", "4"], "--auto-batch and --memory-budget-gb go together"),
+    (["--true-on-policy-mode", "--async-weight-sync"], "--true-on-policy-mode with --async-weight-sync"),
+]
+
+
+# a tiny job underneath, so a case that is wrongly accepted costs seconds, not the default job's minutes
+TINY_JOB = [
+    "--num-rollout",
+    "1",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--eval-size",
+    "2",
 ]
 
 
@@ -105,20 +134,9 @@ def test_bad_invocation_fails_fast_naming_the_flag(tmp_path, capsys, argv, fragm
     tmp = files(tmp_path)
     argv = [a.replace("{tmp}", str(tmp)) for a in argv]
     t0 = time.perf_counter()
-    # a tiny job underneath, so a case that is wrongly accepted costs seconds, not the default job's minutes
-    base = [
-        "--num-rollout",
-        "1",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "2",
-        "--eval-size",
-        "2",
-    ]
     out = [] if "--output-dir" in argv else ["--output-dir", str(tmp / "out")]
     try:
-        code = main(["train", *base, *out, *argv])
+        code = main(["train", *TINY_JOB, *out, *argv])
     except SystemExit as e:  # argparse's own refusals (unknown choice) exit 2 the same way
         code = e.code
     elapsed = time.perf_counter() - t0
@@ -128,3 +146,27 @@ def test_bad_invocation_fails_fast_naming_the_flag(tmp_path, capsys, argv, fragm
     assert elapsed < 10, elapsed
     assert not (tmp / "out" / "metrics.jsonl").exists()  # no work was started
     assert len(CASES) >= 30
+
+
+def test_more_bad_input_is_one_clear_error(tmp_path, capsys):
+    """Inputs that used to end in a raw traceback: each is one line naming what to change."""
+    from miles.cli import main
+
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"input": "caf\xe9", "label": "1"}\n')
+    (tmp_path / "a_file").write_text("x")
+    base = TINY_JOB
+    cases = [
+        (["train", *base, "--prompt-data", str(tmp_path / "latin1.jsonl")], "line 1: not UTF-8 text"),
+        (["train", *base, "--output-dir", str(tmp_path / "a_file" / "run")], "--output-dir"),
+        (["serve", "--port", "99999"], "--port 99999: a TCP port is 0-65535"),
+    ]
+    for argv, fragment in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, (argv, err)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"rollout": "zero", "reward_mean": 1}\n{"rollout": 0, "reward_mean": 0.5}\n'
+    )
+    assert main(["doctor", str(run)]) in (0, 1)  # the malformed record is skipped with a warning

@@ -32,6 +32,20 @@ def test_auto_batch_finds_the_largest_budget_under_a_linear_memory_law():
     assert best - 2 <= auto.tokens <= best
 
 
+def test_auto_batch_stops_growing_where_larger_micro_batches_get_slower():
+    """Time per token lowest near 2000 tokens (a cache-bound CPU), memory plenty: the budget
+    settles near that size instead of at the memory limit."""
+
+    def seconds(tokens: int) -> float:
+        return 0.01 + tokens / 1e5 + (tokens / 2e4) ** 2
+
+    auto = AutoBatch(1e12, floor_tokens=100)
+    for _ in range(30):
+        tokens = auto.tokens
+        auto.observe(tokens, int(1e9 + 1e5 * tokens), seconds(tokens))
+    assert 1000 <= auto.tokens <= 4000, auto.tokens
+
+
 def test_auto_batch_shrinks_when_a_measurement_comes_in_over_the_line():
     auto = AutoBatch(4e9, floor_tokens=10)
     auto.observe(100, int(1e9))

@@ -262,3 +262,13 @@ def test_step_peak_memory_sees_each_steps_own_peak():
     after = step_peak_memory()["peak_rss"]
     assert peak >= base + 190e6, (base, peak)
     assert after < peak - 150e6, (peak, after)
+
+
+def test_sft_refuses_to_replace_a_file_with_its_checkpoint(tmp_path, capsys):
+    from miles.cli import main
+
+    mine = tmp_path / "notes.txt"
+    mine.write_text("the user's own file")
+    assert main(["sft", "--task", "basic_arithmetic", "--save", str(mine)]) == 2
+    assert f"--save {mine}: is a file" in capsys.readouterr().err
+    assert mine.read_text() == "the user's own file"

@@ -210,3 +210,42 @@ def test_a_client_that_disconnects_is_not_an_error(server, capfd):
     time.sleep(1.0)  # the abandoned requests finish and their replies hit closed sockets
     err = capfd.readouterr().err
     assert "BrokenPipeError" not in err and "ConnectionResetError" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        (b'{"text": "a", "sampling_params": {"temperature": NaN}}', "temperature must be a finite number"),
+        (b'{"text": "\xff\xfe"}', "not valid JSON (UTF-8)"),
+        (b"[" * 50_000 + b"]" * 50_000, "nests too deeply"),
+    ],
+    ids=["nan-temperature", "not-utf8", "deep-json"],
+)
+def test_hostile_bodies_get_400(server, raw, fragment):
+    status, out = call(server.url, "/generate", raw=raw)
+    assert status == 400 and fragment in out["error"]
+
+
+def test_a_text_too_long_for_any_context_is_refused_before_tokenizing(server):
+    import time
+
+    t0 = time.perf_counter()
+    status, out = call(server.url, "/generate", {"text": "x" * 5_000_000})
+    assert status == 400 and "cannot fit the model's context" in out["error"]
+    assert time.perf_counter() - t0 < 5  # the 5 MB text was never tokenized
+
+
+def test_a_burst_of_200_simultaneous_clients_is_all_answered(server):
+    """The listen backlog holds a burst (the default of 5 reset connections under 50 at once)."""
+    barrier, statuses = threading.Barrier(200), []
+
+    def client():
+        barrier.wait()
+        statuses.append(call(server.url, "/health")[0])
+
+    threads = [threading.Thread(target=client) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 200

@@ -186,7 +186,17 @@ def test_backend_flags_are_checked():
     with pytest.raises(MilesError, match="not an http"):
         load_config(["--rollout-backend", "sglang", "--sglang-url", "h:1"])
     with pytest.raises(MilesError, match="does not combine with --partial-rollout"):
-        load_config(["--rollout-backend", "sglang", "--sglang-url", "http://h:1", "--partial-rollout"])
+        load_config(
+            [
+                "--rollout-backend",
+                "sglang",
+                "--sglang-url",
+                "http://h:1",
+                "--partial-rollout",
+                "--over-sampling-batch-size",
+                "64",
+            ]
+        )
 
 
 def test_weights_broadcast_over_the_weight_update_group(servers):

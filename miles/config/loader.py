@@ -272,6 +272,9 @@ def make_config(values: dict[str, Any]) -> RunConfig:
         if info is None:
             raise ConfigError(retired_message(name) or f"unknown setting {name!r}{_suggest(name)}")
         setattr(getattr(cfg, info.section), info.name, value)
+    cfg.given = frozenset(
+        FIELDS[ALIASES.get(n, n)].name for n in values
+    )  # set explicitly: beats the environment
     return validate(cfg)
 
 
@@ -281,12 +284,18 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def _env_int4(precision) -> None:
-    """OPEN_TRAINING_INT4_FAKE_QAT_FLAG / OPEN_TRAINING_INT4_GROUP_SIZE into the configuration."""
-    flag = os.environ.get("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "").strip()
-    if flag not in ("", "0", "1"):
-        raise ConfigError(f"OPEN_TRAINING_INT4_FAKE_QAT_FLAG={flag!r}: use 1 (INT4 QAT on) or 0")
-    if flag == "1":
+def _env_switch(name: str) -> str:
+    """An on/off environment variable: "", "0" or "1" (anything else is an error naming it)."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"environment variable {name}={value!r}: use 1 (on) or 0 (off), or unset it")
+    return value
+
+
+def _env_int4(precision, given: frozenset) -> None:
+    """OPEN_TRAINING_INT4_FAKE_QAT_FLAG / OPEN_TRAINING_INT4_GROUP_SIZE into the configuration
+    (an explicit --int4-qat / --no-int4-qat wins over the variable)."""
+    if _env_switch("OPEN_TRAINING_INT4_FAKE_QAT_FLAG") == "1" and "int4_qat" not in given:
         precision.int4_qat = True
     size = os.environ.get("OPEN_TRAINING_INT4_GROUP_SIZE", "").strip()
     if size:
@@ -303,7 +312,7 @@ def _env_int4(precision) -> None:
 def validate_int4(cfg: RunConfig) -> None:
     """INT4 settings: what combines (the group size against the model is checked when it loads)."""
     precision = cfg.precision
-    _env_int4(precision)
+    _env_int4(precision, getattr(cfg, "given", frozenset()))
     if not (precision.int4_qat or precision.int4_rollout_only):
         given = [
             flag
@@ -356,7 +365,8 @@ def validate_precision(cfg: RunConfig) -> None:
     if cfg.precision.int4_qat or cfg.precision.int4_rollout_only:
         return
     precision = cfg.precision
-    if os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "").strip() == "1":
+    scales = _env_switch("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
+    if scales == "1" and "fp8_fp32_scales" not in getattr(cfg, "given", frozenset()):
         precision.fp8_fp32_scales = True
     if precision.fp8_rollout_only:
         precision.fp8_recipe = precision.fp8_recipe or "blockwise"
@@ -398,6 +408,8 @@ def validate_speculative(cfg: RunConfig) -> None:
             ("--reinit-draft-interval", spec.reinit_draft_interval),
             ("--profile-speculative", spec.profile_speculative),
             ("--draft-layers", spec.draft_layers != 1),
+            ("--spec-lookahead", spec.spec_lookahead != 5),
+            ("--draft-lr", spec.draft_lr != 1e-3),
         )
         if value
     ]

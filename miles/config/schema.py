@@ -139,6 +139,12 @@ class RolloutSection:
             raise ConfigError("--over-sampling-batch-size must be >= --rollout-batch-size")
         if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
             raise ConfigError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+        if self.partial_rollout and (self.over_sampling_batch_size or 0) <= self.rollout_batch_size:
+            raise ConfigError(
+                "--partial-rollout stops a rollout once --rollout-batch-size groups are done out of more in flight; "
+                f"add --over-sampling-batch-size above {self.rollout_batch_size} (e.g. "
+                f"{2 * self.rollout_batch_size}), or there is nothing to carry over"
+            )
 
 
 @dataclass
@@ -483,6 +489,15 @@ class CheckpointSection:
     def check(self) -> None:
         for flag, value in (("--save", self.save), ("--save-hf", self.save_hf)):
             _directory_or_absent(flag, value)
+        if self.save_interval and not self.save:
+            raise ConfigError(
+                "--save-interval says how often to write checkpoints; add --save DIR to say where"
+            )
+        if self.resume_if_present and not self.load:
+            raise ConfigError(
+                "--resume-if-present resumes from --load when it holds a checkpoint; add --load DIR (usually the "
+                "same directory as --save)"
+            )
         if self.load and not self.resume_if_present:
             if not Path(self.load).is_dir():
                 raise ConfigError(
@@ -710,6 +725,11 @@ class SyncSection:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
     def check(self) -> None:
+        if self.max_staleness != 1 and not self.async_weight_sync:
+            raise ConfigError(
+                "--max-staleness bounds how old an --async-weight-sync rollout may be; add --async-weight-sync or "
+                "remove it"
+            )
         if self.async_weight_sync and self.max_staleness < 1:
             raise ConfigError(
                 "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"

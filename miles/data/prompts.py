@@ -36,10 +36,16 @@ def read_records(path: str | Path, flag: str = "--prompt-data") -> list[dict[str
         except Exception as e:
             raise ConfigError(f"{flag} {path}: not a readable Parquet file ({e})") from e
     records = []
-    with path.open() as f:
+    with path.open(encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(
+                    f"{flag} {path}, line {lineno}: not UTF-8 text; save the file as UTF-8 JSONL"
+                ) from None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

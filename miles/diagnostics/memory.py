@@ -8,6 +8,7 @@ steps is the host-side leak that `watch nvidia-smi` would show on a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import re
 import resource
 import sys
@@ -25,7 +26,8 @@ def _peak_rss() -> int:
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-_carried: dict[str, int] = {}  # peaks of windows read inside the current step (`measure_peak`)
+_carried: dict[str, int] = {}  # peaks read inside the current step (by `measure_peak` windows)
+_open: list[dict[str, int]] = []  # the running maxima of the `measure_peak` windows now open
 
 
 def _read_and_reset(device) -> dict[str, int]:
@@ -43,31 +45,61 @@ def _read_and_reset(device) -> dict[str, int]:
     return out
 
 
-def _carry(peaks: dict[str, int]) -> None:
+def _fold(into: dict[str, int], peaks: dict[str, int]) -> None:
     for key, value in peaks.items():
-        _carried[key] = max(_carried.get(key, 0), value)
+        into[key] = max(into.get(key, 0), value)
+
+
+def _read_fold_reset(device) -> dict[str, int]:
+    """Read and reset the peaks, folding them into the step's and every open window's maxima
+    (a reset must not hide a peak from an enclosing measurement)."""
+    peaks = _read_and_reset(device)
+    _fold(_carried, peaks)
+    for window in _open:
+        _fold(window, peaks)
+    return peaks
 
 
 def step_peak_memory(device=None) -> dict[str, int]:
     """This process's peak memory since the last call (bytes); then starts the next window."""
-    out = _read_and_reset(device)
-    for key, value in _carried.items():
-        out[key] = max(out.get(key, 0), value)
+    _read_fold_reset(device)
+    out = dict(_carried)
     _carried.clear()
     return out
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it, so the RSS a window starts from would
+    still hold an earlier, larger allocation's pages)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
 
 
 @contextmanager
 def measure_peak(device=None):
     """The peak memory of the work inside the block: yields a dict filled on exit (`peak_rss`,
-    and `cuda_max_allocated` on a GPU). The step's own peak (`step_peak_memory`) still counts it."""
-    _carry(_read_and_reset(device))
+    and `cuda_max_allocated` on a GPU). Windows nest; the step's own peak (`step_peak_memory`)
+    still counts what they saw."""
+    _read_fold_reset(device)
+    _trim()
+    _read_and_reset(device)  # the window starts from the trimmed resident size
     window: dict[str, int] = {}
+    _open.append(window)
     try:
         yield window
     finally:
-        window.update(_read_and_reset(device))
-        _carry(window)
+        _read_fold_reset(device)
+        _open[:] = [w for w in _open if w is not window]  # by identity: equal dicts are other windows
 
 
 def memory_metrics(role: str, per_process: list[dict[str, int]]) -> dict[str, float]:

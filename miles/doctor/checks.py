@@ -471,7 +471,7 @@ def routing_mismatch(run: RunRecord, compare: RunRecord | None):
             Remedy(
                 ["--deterministic-expert-routing"],
                 "batch-invariant kernels in trainer and engine: the flips from batch size and padding go "
-                "(not those of a lower-precision engine), at 2.5-3.5x the step time",
+                "(not those of a lower-precision engine), at several times the step time (docs/algorithms.md)",
             )
         )
     return "near-tied router scores flip under small numeric differences", evidence, remedies

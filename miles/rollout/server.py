@@ -11,6 +11,7 @@ request gets a 4xx with a JSON {"error": ...}; it never reaches the engine.
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 from concurrent.futures import Future
@@ -76,6 +77,8 @@ def parse_sampling(raw: Any) -> SamplingParams:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise BadRequest(f"sampling_params.{key} has the wrong type: {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise BadRequest(f"sampling_params.{key} must be a finite number, got {value!r}")
         kwargs["seed" if key == "sampling_seed" else key] = value
     try:
         return SamplingParams(**kwargs)
@@ -83,8 +86,15 @@ def parse_sampling(raw: Any) -> SamplingParams:
         raise BadRequest(f"sampling_params: {e}") from e
 
 
-def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
-    """(token id lists, whether the request was a batch)."""
+def longest_token(tokenizer) -> int:
+    """Characters in the tokenizer's longest token: a text longer than that times the context
+    cannot fit, whatever it says, so it is refused without tokenizing it."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def parse_prompts(body: dict, tokenizer, max_chars: int | None = None) -> tuple[list[list[int]], bool]:
+    """(token id lists, whether the request was a batch); `max_chars`: a text longer than this is
+    refused before tokenizing (it cannot fit the context)."""
     has_text, has_ids = "text" in body, "input_ids" in body
     if has_text == has_ids:
         raise BadRequest("give exactly one of 'text' or 'input_ids'")
@@ -96,6 +106,10 @@ def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
         texts = text if batch else [text]
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise BadRequest("'text' must be a non-empty string or a list of them")
+        if max_chars is not None and (longest := max(len(t) for t in texts)) > max_chars:
+            raise BadRequest(
+                f"'text' of {longest} characters cannot fit the model's context; send a shorter prompt"
+            )
         return [tokenizer(t).input_ids for t in texts], batch
     ids = body["input_ids"]
     batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
@@ -130,6 +144,13 @@ def sample_response(sample: Sample, engine: Engine, logprob: bool, routed: bool)
     return {"text": sample.response, "output_ids": sample.response_tokens, "meta_info": meta}
 
 
+class Listener(ThreadingHTTPServer):
+    """The HTTP server with a listen backlog that holds a burst of clients (the default 5 resets
+    connections when dozens arrive at once)."""
+
+    request_queue_size = 1024
+
+
 class EngineServer:
     """Runs `engine` on its own thread and serves it over HTTP."""
 
@@ -141,13 +162,22 @@ class EngineServer:
         self._inbox: queue.Queue[tuple[Request, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
         self._stop = threading.Event()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler_class())
+        self._longest_token: int | None = None
+        self.httpd = Listener((host, port), self._handler_class())
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
         self._threads = [
             threading.Thread(target=self._engine_loop, daemon=True, name="miles-engine"),
             threading.Thread(target=self.httpd.serve_forever, daemon=True, name="miles-http"),
         ]
+
+    def _max_chars(self) -> int | None:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return None
+        if self._longest_token is None:
+            self._longest_token = longest_token(tokenizer)
+        return self.engine.max_seq_len * self._longest_token
 
     @property
     def url(self) -> str:
@@ -228,8 +258,10 @@ class EngineServer:
                 raw = self.rfile.read(length) if length else b""
                 try:
                     return json.loads(raw or b"{}")
-                except json.JSONDecodeError as e:
-                    raise BadRequest(f"request body is not valid JSON: {e}") from e
+                except ValueError as e:  # not JSON, or not UTF-8
+                    raise BadRequest(f"request body is not valid JSON (UTF-8): {e}") from e
+                except RecursionError:
+                    raise BadRequest("request body nests too deeply") from None
 
             def do_GET(self) -> None:
                 if self.path == "/health":
@@ -294,7 +326,7 @@ class EngineServer:
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by miles serve yet")
         params = parse_sampling(body.get("sampling_params"))
-        prompts, batch = parse_prompts(body, self.engine.tokenizer)
+        prompts, batch = parse_prompts(body, self.engine.tokenizer, self._max_chars())
         for p in prompts:
             if len(p) >= self.engine.max_seq_len:
                 raise BadRequest(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from miles.algo.filters import GroupFilter, nonconstant_reward
 from miles.config import to_dict
@@ -79,6 +80,7 @@ def train(cfg: RunConfig) -> Path:
         )
     torch.manual_seed(cfg.train.seed)
     policy, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)
+    check_finite_weights(policy, cfg.model.model)
     if tokenizer is None:
         raise MilesError(
             f"--model {cfg.model.model}: the checkpoint has no tokenizer (tokenizer.json); training needs one"
@@ -144,6 +146,11 @@ def train(cfg: RunConfig) -> Path:
 
 def run_loop(run: Run) -> Path:
     """Rollout, train, sync, evaluate, log, checkpoint: `--num-rollout` times."""
+    with logging_redirect_tqdm([log]):  # warnings go above the progress bar, not onto its line
+        return _run_steps(run)
+
+
+def _run_steps(run: Run) -> Path:
     cfg = run.cfg
     log.debug("weight sync: %s, every %d rollout(s)", run.sync.name, cfg.sync.update_weights_interval)
     start = resume(cfg, run.policy, run.trainer, run.sync, run.data, run.metrics, run.critic)
@@ -206,6 +213,16 @@ def run_loop(run: Run) -> Path:
         run.trainer.sync_policy()
         save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
     return run.run_dir
+
+
+def check_finite_weights(model: torch.nn.Module, name: str) -> None:
+    """A checkpoint holding NaN/inf trains nothing (every step would be skipped): refuse it now."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise MilesError(
+            f"--model {name}: {len(bad)} weight tensors hold NaN or inf (e.g. {bad[0]}); every step would be skipped. "
+            "Load a checkpoint saved before the run diverged"
+        )
 
 
 def check_token_budget(cfg: RunConfig, longest_prompt: int) -> None:

@@ -12,14 +12,19 @@ import yaml
 
 from miles.config import to_dict
 from miles.config.schema import RunConfig
-from miles.errors import MilesError
+from miles.errors import ConfigError, MilesError
 
 log = logging.getLogger("miles")
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
     path = Path(cfg.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"--output-dir {path}: cannot be created ({e.strerror or e}); give a directory you can write"
+        ) from e
     (path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return path
 
@@ -93,7 +98,11 @@ class MetricsLogger:
 def parse_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl; a line a killed run left half-written is skipped with a warning."""
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise MilesError(f"{path}: not a metrics file of miles train (not UTF-8 text: {e.reason})") from e
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -103,7 +112,7 @@ def parse_metrics(path: Path) -> list[dict[str, Any]]:
                 "%s: line %d is not whole JSON (a run killed while writing it?); skipped", path, number
             )
             continue
-        if isinstance(record, dict) and "rollout" in record:
+        if isinstance(record, dict) and type(record.get("rollout")) is int:
             records.append(record)
         else:
             log.warning("%s: line %d is not a metrics record; skipped", path, number)

@@ -2,10 +2,14 @@
 
 No peer sizes its own micro-batches; users find --max-tokens-per-gpu by trial and error. Here
 the trainer measures each micro-batch's peak memory (host RSS on CPU, allocated CUDA memory on a
-GPU) against its padded tokens, fits peak = base + slope x tokens, and takes the budget where the
-line meets G less a margin. It starts from the longest sample alone and grows at most 2x per
-micro-batch beyond the largest size measured, so it never leaps past what it has seen; every
-new measurement refits the line, so longer responses later in a run are seen as they come.
+GPU) and time against its padded tokens, fits peak = base + slope x tokens, and takes the budget
+where the line meets G less a margin. It starts from the longest sample alone and grows at most
+2x per micro-batch beyond the largest size measured, so it never leaps past what it has seen;
+every new measurement refits the line, so longer responses later in a run are seen as they
+come. Growth also stops where it stops paying: it goes on only while each doubling is at least
+5% faster per token than every smaller size measured (a CPU's caches favour mid-sized
+micro-batches, and a slow first step must not pass for a fast large one); otherwise the budget
+goes back to the fastest size measured that fits.
 Gradient accumulation is exact for any split, so changing the budget between micro-batches
 changes nothing but memory and speed.
 """
@@ -18,6 +22,7 @@ log = logging.getLogger("miles")
 
 MARGIN = 0.1  # keep this share of the budget free: allocator slack, a longer batch than measured
 GROWTH = 2.0  # at most this many times the largest measured micro-batch
+GAIN = 1.05  # growing on needs the largest size to beat every smaller one's tokens/s by this factor
 
 
 class AutoBatch:
@@ -27,6 +32,8 @@ class AutoBatch:
         self.floor = floor_tokens
         self.tokens = floor_tokens  # the budget in use
         self.points: list[tuple[int, int]] = []  # (padded tokens of a micro-batch, its peak bytes)
+        self.rates: dict[int, list[float]] = {}  # size bucket (log2 tokens) -> tokens/s measured
+        self.sizes: dict[int, int] = {}  # size bucket -> the largest tokens measured in it
         self.warned = False
 
     def fit(self) -> tuple[float, float]:
@@ -41,14 +48,33 @@ class AutoBatch:
         slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
         return mean_y - slope * mean_x, slope
 
-    def observe(self, tokens: int, peak: int) -> None:
-        """One micro-batch of `tokens` padded tokens peaked at `peak` bytes: choose the next budget."""
+    def fastest(self) -> tuple[int, bool]:
+        """(the size whose median tokens/s is highest, whether growing still pays: the largest size
+        measured beats every smaller one by GAIN)."""
+        medians = {b: sorted(r)[len(r) // 2] for b, r in self.rates.items()}
+        best = max(medians, key=medians.get)
+        largest = max(medians)
+        smaller = [m for b, m in medians.items() if b != largest]
+        return self.sizes[best], not smaller or medians[largest] >= GAIN * max(smaller)
+
+    def observe(self, tokens: int, peak: int, seconds: float | None = None) -> None:
+        """One micro-batch of `tokens` padded tokens peaked at `peak` bytes (in `seconds`): choose
+        the next budget."""
         self.points = (self.points + [(tokens, peak)])[-64:]
+        if seconds:
+            bucket = max(tokens, 1).bit_length()
+            self.rates.setdefault(bucket, []).append(tokens / seconds)
+            self.sizes[bucket] = max(self.sizes.get(bucket, 0), tokens)
         base, slope = self.fit()
         largest = max(t for t, _ in self.points)
         room = self.limit - base
         wanted = room / slope if slope > 0 else float("inf")
-        chosen = max(self.floor, int(min(wanted, GROWTH * largest)))
+        growth = GROWTH * largest
+        if self.rates:
+            best, growing_pays = self.fastest()
+            if not growing_pays:
+                growth = best
+        chosen = max(self.floor, int(min(wanted, growth)))
         if base + slope * self.floor > self.limit and not self.warned:
             log.warning(
                 "--auto-batch: even one longest sample (%d tokens) is predicted to peak at %.2f GB, over the "

@@ -13,8 +13,10 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -332,7 +334,8 @@ class PolicyTrainer:
             step_losses: dict[str, float] = dict.fromkeys(ADDITIVE_METRICS, 0.0)
             for mi in self._plan(idx, samples):
                 chunk = [samples[i] for i in mi]
-                with measure_peak(self.device) as peak:
+                started = time.perf_counter()
+                with measure_peak(self.device) if self.auto is not None else nullcontext({}) as peak:
                     loss, parts = self._micro_batch(
                         chunk,
                         [advantages[i] for i in mi],
@@ -345,7 +348,7 @@ class PolicyTrainer:
                         (loss * self.world).backward()
                 if self.auto is not None:
                     measured = peak[PEAK_KEY[self.device.type == "cuda"]]
-                    self.auto.observe(padded_tokens(chunk), measured)
+                    self.auto.observe(padded_tokens(chunk), measured, time.perf_counter() - started)
                     highest = max(highest, measured)
                 tokens = loss_denominator(chunk, "token-mean")
                 for k, v in parts.items():
