@@ -179,6 +179,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         model=args.model, task=args.task, task_config=task_config, data=args.data, input_key=args.input_key,
         label_key=args.label_key, chat=not args.no_chat, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         seed=args.seed, eval_every=args.eval_every, target_accuracy=args.target_accuracy, save=args.save, log=args.log,
+        eval_size=args.eval_size,
     )  # fmt: skip
     result = run_sft(cfg)
     print(
@@ -305,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--seed", type=int, default=0, help="seed for init and data order")
     sft.add_argument(
         "--eval-every", type=number(int, 1), default=100, help="steps between held-out evaluations"
+    )
+    sft.add_argument(
+        "--eval-size",
+        type=number(int, 0),
+        default=200,
+        help="held-out problems (with --data: records kept out of training; 0: none)",
     )
     sft.add_argument(
         "--target-accuracy", type=number(float, 0), help="stop once held-out accuracy reaches this"

@@ -150,5 +150,5 @@ def test_bad_reward_path():
         RewardRunner("exact", "no_colon", False, 1.0)
     with pytest.raises(ConfigError, match="cannot import 'no_such_module_xyz'"):
         RewardRunner("exact", "no_such_module_xyz:f", False, 1.0)
-    with pytest.raises(ConfigError, match="has no function 'nope'"):
+    with pytest.raises(ConfigError, match="has no 'nope' to call; expected module:function"):
         RewardRunner("exact", "tests.test_data_rewards:nope", False, 1.0)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from miles.cli import main
+from tests.conftest import random_model
 
 
 def files(tmp_path):
@@ -170,3 +171,27 @@ def test_more_bad_input_is_one_clear_error(tmp_path, capsys):
         '{"rollout": "zero", "reward_mean": 1}\n{"rollout": 0, "reward_mean": 0.5}\n'
     )
     assert main(["doctor", str(run)]) in (0, 1)  # the malformed record is skipped with a warning
+
+
+def test_errors_name_the_flag_the_user_gave(tmp_path):
+    """A missing draft checkpoint is --draft-model's, not --model's; --env-path says what it takes;
+    a misspelt task gets the names that look like it."""
+    from miles.errors import ConfigError, MilesError
+    from miles.multiagent.co_evolution import build_env
+    from miles.rollout.drafts import load_draft
+
+    cfg = load_config_for(["--draft-model", str(tmp_path / "nowhere")])
+    with pytest.raises(MilesError, match=r"^--draft-model '.*nowhere': no such file"):
+        load_draft(cfg.speculative, random_model("qwen3"), "cpu")
+    with pytest.raises(ConfigError, match=r"--env-path 'poker': expected one of \['kuhn', 'kuhn_poker', "):
+        build_env("poker", 0)
+    from miles.data.prompts import task_prompts
+
+    with pytest.raises(ConfigError, match=r"close names: \['basic_arithmetic'"):
+        task_prompts("arithmetic", 4, 0, {})
+
+
+def load_config_for(flags):
+    from miles.config import load_config
+
+    return load_config(["--eval-size", "0", *flags])

@@ -272,3 +272,18 @@ def test_sft_refuses_to_replace_a_file_with_its_checkpoint(tmp_path, capsys):
     assert main(["sft", "--task", "basic_arithmetic", "--save", str(mine)]) == 2
     assert f"--save {mine}: is a file" in capsys.readouterr().err
     assert mine.read_text() == "the user's own file"
+
+
+def test_sft_on_a_small_file_says_which_flag_keeps_records_for_training(tmp_path, capsys):
+    from miles.cli import main
+
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(20)))
+    assert main(["sft", "--data", str(data), "--steps", "1"]) == 2
+    assert (
+        "all 20 went to the held-out set (--eval-size 200); give a smaller --eval-size"
+        in capsys.readouterr().err
+    )
+    out = tmp_path / "ckpt"
+    assert main(["sft", "--data", str(data), "--steps", "2", "--eval-size", "5", "--save", str(out)]) == 0
+    assert (out / "config.json").exists()

@@ -101,10 +101,11 @@ def task_prompts(task: str, size: int, seed: int, config: dict[str, Any]) -> tup
     from reasoning_gym.factory import DATASETS
 
     if task not in DATASETS:
-        close = difflib.get_close_matches(task, list(DATASETS), n=3)
-        raise ConfigError(
-            f"--task {task!r} is not a reasoning-gym task; close names: {close or sorted(DATASETS)[:10]}"
-        )
+        names = sorted(DATASETS)
+        close = [n for n in names if task.lower() in n or n in task.lower()]
+        close += [n for n in difflib.get_close_matches(task, names, n=5, cutoff=0.4) if n not in close]
+        hint = f"close names: {close[:5]}" if close else f"it has {len(names)} tasks, e.g. {names[:3]}"
+        raise ConfigError(f"--task {task!r} is not a reasoning-gym task; {hint}")
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
     except KeyError as e:

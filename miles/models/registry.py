@@ -23,8 +23,9 @@ TINY_BASE = ASSETS / "tiny-moe-base"
 NAMES = ("tiny", "tiny-random", "smollm2")
 
 
-def model_path(spec: str) -> Path | None:
-    """The file or directory a model name or path stands for (None: the random tiny model)."""
+def model_path(spec: str, flag: str = "--model") -> Path | None:
+    """The file or directory a model name or path stands for (None: the random tiny model);
+    `flag` is named in the error for a path that does not exist."""
     if spec == "smollm2":
         return gguf_checkpoint(smollm2_gguf_path())
     if spec == "tiny":
@@ -34,7 +35,7 @@ def model_path(spec: str) -> Path | None:
     path = Path(spec).expanduser()
     if not path.exists():
         raise CheckpointError(
-            f"--model {spec!r}: no such file or directory; give a Hugging Face checkpoint directory, "
+            f"{flag} {spec!r}: no such file or directory; give a Hugging Face checkpoint directory, "
             f"a .gguf file, or one of {list(NAMES)}"
         )
     if path.suffix == ".gguf":
@@ -71,10 +72,12 @@ def load(
     make_linear: LinearFactory = default_linear,
     seed: int = 0,
     tp: tuple[int, int] | None = None,
+    flag: str = "--model",
 ) -> tuple[Transformer, object]:
     """(model, tokenizer) for `--model spec`; tokenizer is None for a checkpoint without one.
-    `tp` = (rank, world): that tensor-parallel rank's part (`load_model`)."""
-    path = model_path(spec)
+    `tp` = (rank, world): that tensor-parallel rank's part (`load_model`); `flag`: the option
+    named in errors (a draft is --draft-model)."""
+    path = model_path(spec, flag)
     if path is None:
         from miles.models.tensor_parallel import shard_model
 

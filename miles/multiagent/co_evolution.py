@@ -59,7 +59,8 @@ BUILT_IN = {
 def build_env(path: str, seed: int) -> EnvSpec:
     from miles.rewards.functions import load_function
 
-    cls = load_function(BUILT_IN.get(path, path), "--env-path")
+    takes = f"one of {sorted(BUILT_IN)} or module:Class (a class or factory of an environment)"
+    cls = load_function(BUILT_IN.get(path, path), "--env-path", takes)
     env = cls(seed=seed) if isinstance(cls, type) else cls
     try:
         return EnvSpec.of(env)

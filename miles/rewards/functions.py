@@ -14,10 +14,11 @@ from typing import Any
 from miles.errors import ConfigError
 
 
-def load_function(path: str, flag: str) -> Callable:
-    """Import `module:function` (a module name, or a .py file path before the colon)."""
+def load_function(path: str, flag: str, what: str = "module:function, e.g. my_rewards:score") -> Callable:
+    """Import `module:function` (a module name, or a .py file path before the colon); `what`
+    says in an error what the flag takes."""
     if ":" not in path:
-        raise ConfigError(f"{flag} {path!r}: expected module:function, e.g. my_rewards:score")
+        raise ConfigError(f"{flag} {path!r}: expected {what}")
     module_name, func_name = path.rsplit(":", 1)
     try:
         if module_name.endswith(".py"):
@@ -34,7 +35,7 @@ def load_function(path: str, flag: str) -> Callable:
         raise ConfigError(f"{flag} {path!r}: cannot import {module_name!r} ({e})") from e
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise ConfigError(f"{flag} {path!r}: {module_name} has no function {func_name!r}")
+        raise ConfigError(f"{flag} {path!r}: {module_name} has no {func_name!r} to call; expected {what}")
     return func
 
 

@@ -89,7 +89,9 @@ def run_sft(cfg: SFTConfig) -> dict:
     model, tokenizer = registry.load(cfg.model, seed=cfg.seed)
     if cfg.task:
         items, dataset = task_prompts(cfg.task, 100_000, cfg.seed, cfg.task_config or {})
-        held, _ = task_prompts(cfg.task, cfg.eval_size, cfg.seed + 10_007, cfg.task_config or {})
+        held = []
+        if cfg.eval_size:
+            held, _ = task_prompts(cfg.task, cfg.eval_size, cfg.seed + 10_007, cfg.task_config or {})
     elif cfg.data:
         items = file_prompts(cfg.data, cfg.input_key, cfg.label_key, None, "--data")
         random.Random(cfg.seed).shuffle(items)
@@ -97,7 +99,10 @@ def run_sft(cfg: SFTConfig) -> dict:
     else:
         raise ConfigError("miles sft needs --task or --data")
     if not items:
-        raise ConfigError("miles sft: no training records")
+        raise ConfigError(
+            f"miles sft: no training records: all {len(held)} went to the held-out set (--eval-size "
+            f"{cfg.eval_size}); give a smaller --eval-size (0: no held-out set)"
+        )
     rewards = RewardRunner("auto", None, False, 30.0, dataset)  # the task's scorer, else exact match
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -119,7 +124,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         record = {"step": step, "loss": loss.item(), "time": time.perf_counter() - t0}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if held and (step % cfg.eval_every == 0 or step == cfg.steps):
             model.eval()
             acc = greedy_accuracy(model, tokenizer, held, cfg.chat, rewards)
             model.train()
