@@ -70,3 +70,23 @@ def test_partial_rollout_over_two_ray_engines(ray_cluster, tmp_path, monkeypatch
     4x in flight: the driver polls every few ms, and with 2x both engines could finish everything
     between two polls on a busy machine, leaving nothing to carry."""
     check_partial_run(tmp_path, monkeypatch, ["--rollout-num-gpus", "2", "--over-sampling-batch-size", "16"])
+
+
+def test_continuation_seeds_are_the_same_in_every_process():
+    """Two processes with different hash randomisation draw the same continuation seeds (a string
+    in the hashed tuple once made them differ run to run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from miles.rollout.partial import continuation_seed; print(continuation_seed(0, 3, 1, 2))"
+    seeds = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": h},
+        ).stdout
+        for h in ("1", "2")
+    }
+    assert len(seeds) == 1 and seeds.pop().strip().isdigit()

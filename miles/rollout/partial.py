@@ -56,6 +56,16 @@ def join(old: Sample, more: Sample, mask_old: bool) -> Sample:
     return old
 
 
+CONTINUE = -1  # marks a continuation's seed apart from the group's first requests (ints only)
+
+
+def continuation_seed(seed: int, rollout_id: int, g: int, k: int) -> int:
+    """The sampling seed of sample k of group g continued in `rollout_id`. Only ints are hashed:
+    a string's hash changes with every process (PYTHONHASHSEED), which made continued samples
+    differ between two runs of the same command and after a resume."""
+    return hash((seed, rollout_id, g, k, CONTINUE)) % (2**63)
+
+
 class PartialRollout:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -72,7 +82,7 @@ class PartialRollout:
                 temperature=rollout_cfg.rollout_temperature, top_p=rollout_cfg.rollout_top_p,
                 top_k=rollout_cfg.rollout_top_k,
                 max_new_tokens=rollout_cfg.rollout_max_response_len - s.response_length,
-                seed=hash((rollout_cfg.rollout_seed, rollout_id, g, k, "continue")) % (2**63),
+                seed=continuation_seed(rollout_cfg.rollout_seed, rollout_id, g, k),
             )  # fmt: skip
             requests.append((k, Request(list(s.tokens), params)))
         return requests
