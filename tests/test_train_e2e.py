@@ -253,3 +253,11 @@ def test_profile_writes_a_trace_of_the_marked_phases(tmp_path):
     assert inside
     summary = (tmp_path / "prof" / "summary.txt").read_text()
     assert "Self CPU" in summary and "aten::" in summary
+
+
+def test_profile_says_when_the_run_is_shorter_than_what_it_records(tmp_path, caplog):
+    from miles.runtime.profiling import StepProfiler
+
+    with caplog.at_level("WARNING", logger="miles"):
+        StepProfiler(tmp_path, steps=2).close()
+    assert any("the trace holds 1" in r.getMessage() for r in caplog.records)

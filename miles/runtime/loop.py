@@ -162,7 +162,8 @@ def _run_steps(run: Run) -> Path:
         last_eval = initial["eval_accuracy"]
     feed = RolloutFeed(run)
     profiler = StepProfiler(
-        Path(cfg.logging.profile_dir or run.run_dir / "profile") if cfg.logging.profile else None
+        Path(cfg.logging.profile_dir or run.run_dir / "profile") if cfg.logging.profile else None,
+        steps=cfg.rollout.num_rollout - start,
     )
     total = cfg.rollout.num_rollout
     bar = tqdm(

@@ -24,11 +24,19 @@ PHASES = ("miles.rollout", "miles.train", "miles.sync")
 class StepProfiler:
     """Call `step()` after each RL step; `phase(name)` marks a part of one."""
 
-    def __init__(self, out_dir: Path | None, warmup: int = 1, active: int = 2) -> None:
+    def __init__(
+        self, out_dir: Path | None, warmup: int = 1, active: int = 2, steps: int | None = None
+    ) -> None:
+        """`steps`: the RL steps the run will take, to say when fewer than warm-up + active are left."""
         self.out_dir = out_dir
         self.prof = None
         if out_dir is None:
             return
+        if steps is not None and steps < warmup + active:
+            log.warning(
+                "--profile records %d steps after %d warm-up step(s), but this run takes %d: the trace holds %d",
+                active, warmup, steps, max(0, steps - warmup),
+            )  # fmt: skip
         out_dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.prof = profile(
