@@ -117,7 +117,7 @@ def batching_table(policy, samples, only_auto: bool = False) -> None:
     auto_table(policy, samples, results["--micro-batch-size 256"] * 0.5)
 
 
-def auto_table(policy, samples, budget: float, steps: int = 3) -> None:
+def auto_table(policy, samples, budget: float, steps: int = 4) -> None:
     """--auto-batch over `steps` steps of one trainer: the first probes (small micro-batches while
     it measures), the later ones run at the size it settled on."""
     resident = _resident_gb()

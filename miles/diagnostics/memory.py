@@ -86,12 +86,14 @@ _libc = None
 
 
 @contextmanager
-def measure_peak(device=None):
+def measure_peak(device=None, trim: bool = True):
     """The peak memory of the work inside the block: yields a dict filled on exit (`peak_rss`,
     and `cuda_max_allocated` on a GPU). Windows nest; the step's own peak (`step_peak_memory`)
-    still counts what they saw."""
+    still counts what they saw. `trim`: first hand freed heap back to the OS, so an earlier,
+    larger allocation does not count (the block then pays page faults for what it takes again)."""
     _read_fold_reset(device)
-    _trim()
+    if trim:
+        _trim()
     _read_and_reset(device)  # the window starts from the trimmed resident size
     window: dict[str, int] = {}
     _open.append(window)

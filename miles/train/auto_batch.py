@@ -11,7 +11,9 @@ come. Growth also stops where it stops paying: it goes on only while each doubli
 micro-batches, and a slow first step must not pass for a fast large one); otherwise the budget
 goes back to the fastest size measured that fits.
 Gradient accumulation is exact for any split, so changing the budget between micro-batches
-changes nothing but memory and speed.
+changes nothing but memory and speed. Once a whole step has run without changing the budget it
+is settled: measurements then skip the heap trim (which makes every micro-batch fault its
+memory in again), reading the peak over what the allocator keeps, an overestimate.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ class AutoBatch:
         self.rates: dict[int, list[float]] = {}  # size bucket (log2 tokens) -> tokens/s measured
         self.sizes: dict[int, int] = {}  # size bucket -> the largest tokens measured in it
         self.warned = False
+        self.settled = False  # a whole step ran at one budget: measure without trimming the heap
+        self._step_start: int | None = None
+
+    def start_step(self) -> None:
+        self._step_start = self.tokens
+
+    def end_step(self) -> None:
+        """A step ended: settled when its budget did not move."""
+        self.settled = self._step_start == self.tokens
 
     def fit(self) -> tuple[float, float]:
         """(base bytes, bytes per token) by least squares; with one size measured, base 0 (an
@@ -48,14 +59,15 @@ class AutoBatch:
         slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
         return mean_y - slope * mean_x, slope
 
-    def fastest(self) -> tuple[int, bool]:
-        """(the size whose median tokens/s is highest, whether growing still pays: the largest size
-        measured beats every smaller one by GAIN)."""
-        medians = {b: sorted(r)[len(r) // 2] for b, r in self.rates.items()}
-        best = max(medians, key=medians.get)
-        largest = max(medians)
-        smaller = [m for b, m in medians.items() if b != largest]
-        return self.sizes[best], not smaller or medians[largest] >= GAIN * max(smaller)
+    def fastest(self) -> tuple[int, bool, bool]:
+        """(the size whose mean tokens/s is highest, whether growing still pays: the largest size
+        measured beats every smaller one by GAIN, whether that verdict rests on one timing only)."""
+        means = {b: sum(r) / len(r) for b, r in self.rates.items()}
+        best = max(means, key=means.get)
+        largest = max(means)
+        smaller = [m for b, m in means.items() if b != largest]
+        pays = not smaller or means[largest] >= GAIN * max(smaller)
+        return self.sizes[best], pays, len(self.rates[largest]) < 2
 
     def observe(self, tokens: int, peak: int, seconds: float | None = None) -> None:
         """One micro-batch of `tokens` padded tokens peaked at `peak` bytes (in `seconds`): choose
@@ -71,9 +83,9 @@ class AutoBatch:
         wanted = room / slope if slope > 0 else float("inf")
         growth = GROWTH * largest
         if self.rates:
-            best, growing_pays = self.fastest()
-            if not growing_pays:
-                growth = best
+            best, growing_pays, one_timing = self.fastest()
+            if not growing_pays:  # one slow timing is measured again before the budget goes back
+                growth = self.sizes[max(self.rates)] if one_timing else best
         chosen = max(self.floor, int(min(wanted, growth)))
         if base + slope * self.floor > self.limit and not self.warned:
             log.warning(

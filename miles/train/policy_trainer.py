@@ -321,6 +321,8 @@ class PolicyTrainer:
 
         self.load = LoadAccumulator()  # MoE load over this call's micro-batches
         highest = 0  # --auto-batch: the largest micro-batch peak measured in this call
+        if self.auto is not None:
+            self.auto.start_step()
         gbs = self.step_samples
         agg = cfg.algo.loss_agg_mode
         for start in range(0, len(samples), gbs):
@@ -335,7 +337,11 @@ class PolicyTrainer:
             for mi in self._plan(idx, samples):
                 chunk = [samples[i] for i in mi]
                 started = time.perf_counter()
-                with measure_peak(self.device) if self.auto is not None else nullcontext({}) as peak:
+                measuring = self.auto is not None
+                window = (
+                    measure_peak(self.device, trim=not self.auto.settled) if measuring else nullcontext({})
+                )
+                with window as peak:
                     loss, parts = self._micro_batch(
                         chunk,
                         [advantages[i] for i in mi],
@@ -395,6 +401,7 @@ class PolicyTrainer:
             out.update(self.load.metrics(self._sum_over_ranks(self.load.flat())))
         out["consecutive_skipped_steps"] = self.consecutive_skipped
         if self.auto is not None:
+            self.auto.end_step()
             out["auto_batch_tokens"] = self.auto.tokens
             out["auto_batch_peak_gb"] = highest / 1e9
         out.update(fp8_metrics(self.model))
