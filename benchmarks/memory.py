@@ -70,21 +70,37 @@ def train_step(policy, samples, flags: list[str], repeats: int = 2) -> tuple[flo
     return peak, min(r[1] for r in runs), runs[-1][2]
 
 
-def _train_once(policy, samples, flags: list[str]) -> tuple[float, float, PolicyTrainer]:
-    n = len(samples)
+def _trainer(policy, samples, flags: list[str]) -> PolicyTrainer:
+    """A trainer on a fresh copy of the policy, the default job's settings plus `flags`."""
     cfg = load_config(
-        ["--config", DEFAULT, "--rollout-batch-size", str(n // 8), "--eval-size", "0", "--no-use-r3", *flags]
+        [
+            "--config",
+            DEFAULT,
+            "--rollout-batch-size",
+            str(len(samples) // 8),
+            "--eval-size",
+            "0",
+            "--no-use-r3",
+            *flags,
+        ]
     )
-    model = prepare_train_model(copy.deepcopy(policy).train(), cfg)
-    trainer = PolicyTrainer(model, cfg)
+    return PolicyTrainer(prepare_train_model(copy.deepcopy(policy).train(), cfg), cfg)
+
+
+def _timed_step(trainer: PolicyTrainer, samples) -> tuple[float, float]:
+    """(peak GB above the resident size before, seconds) of one training step."""
     advantages = [torch.randn(s.response_length) for s in samples]
     with measure_peak() as before:
         pass
     start = time.perf_counter()
     with measure_peak() as peak:
         trainer.train(samples, advantages)
-    seconds = time.perf_counter() - start
-    return (peak["peak_rss"] - before["peak_rss"]) / 1e9, seconds, trainer
+    return (peak["peak_rss"] - before["peak_rss"]) / 1e9, time.perf_counter() - start
+
+
+def _train_once(policy, samples, flags: list[str]) -> tuple[float, float, PolicyTrainer]:
+    trainer = _trainer(policy, samples, flags)
+    return (*_timed_step(trainer, samples), trainer)
 
 
 def batching_table(policy, samples, only_auto: bool = False) -> None:
@@ -121,30 +137,8 @@ def auto_table(policy, samples, budget: float, steps: int = 4) -> None:
     """--auto-batch over `steps` steps of one trainer: the first probes (small micro-batches while
     it measures), the later ones run at the size it settled on."""
     resident = _resident_gb()
-    flags = ["--auto-batch", "--memory-budget-gb", f"{resident + budget:.3f}"]
-    cfg = load_config(
-        [
-            "--config",
-            DEFAULT,
-            "--rollout-batch-size",
-            str(len(samples) // 8),
-            "--eval-size",
-            "0",
-            "--no-use-r3",
-            *flags,
-        ]
-    )
-    trainer = PolicyTrainer(prepare_train_model(copy.deepcopy(policy).train(), cfg), cfg)
-    advantages = [torch.randn(s.response_length) for s in samples]
-    peaks, times = [], []
-    for _ in range(steps):
-        with measure_peak() as before:
-            pass
-        start = time.perf_counter()
-        with measure_peak() as peak:
-            trainer.train(samples, advantages)
-        times.append(time.perf_counter() - start)
-        peaks.append((peak["peak_rss"] - before["peak_rss"]) / 1e9)
+    trainer = _trainer(policy, samples, ["--auto-batch", "--memory-budget-gb", f"{resident + budget:.3f}"])
+    peaks, times = zip(*(_timed_step(trainer, samples) for _ in range(steps)))
     print(f"\n--auto-batch, budget half the 256-sample peak ({budget:.3f} GB above resident), {steps} steps:")
     print(
         f"| `--auto-batch --memory-budget-gb {resident + budget:.2f}` | settled on {trainer.auto.tokens} tokens | "
