@@ -542,6 +542,7 @@ def true_on_policy_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
         ("--async-weight-sync", sync.async_weight_sync, off_policy),
         ("--partial-rollout", rollout.partial_rollout, off_policy),
         ("--update-weights-interval", sync.update_weights_interval > 1, off_policy),
+        ("--lora-rank", cfg.lora.enabled, f"the engines serve the adapter merged into the weights: {arithmetic}"),
     ]  # fmt: skip
     return [(flag, why) for flag, on, why in candidates if on]
 
@@ -650,7 +651,18 @@ def validate(given: RunConfig) -> RunConfig:
     validate_sglang(cfg)
     validate_layout(cfg)
     validate_true_on_policy(cfg)
+    validate_lora(cfg)
     return cfg
+
+
+def validate_lora(cfg: RunConfig) -> None:
+    """LoRA runs with every layout except tensor-parallel engines (whose shards would need the
+    adapter cut the same way)."""
+    if cfg.lora.enabled and cfg.sync.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            "--lora-rank with --rollout-num-gpus-per-engine > 1: tensor-parallel engines do not merge LoRA adapters "
+            "yet; use one device per engine (more engines: --rollout-num-gpus)"
+        )
 
 
 def describe(cfg: RunConfig) -> str:

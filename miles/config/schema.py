@@ -886,6 +886,64 @@ class SGLangSection:
 
 
 @dataclass
+class LoraSection:
+    """LoRA: train low-rank adapters over a frozen base; only the adapters travel to the engines."""
+
+    lora_rank: int = option(
+        0,
+        "adapter rank r (0: full fine-tuning); the base stays frozen and holds no gradients or optimizer state",
+        bounds="[0, inf)",
+    )
+    lora_alpha: float | None = option(
+        None, "adapters scale by alpha / r (default: alpha = 2 x rank)", bounds="(0, inf)"
+    )
+    lora_dropout: float = option(0.0, "dropout on the adapters' input while training", bounds="[0, 1)")
+    lora_target_modules: str = option(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "comma-separated layer names to adapt (a name matches itself and every module ending in it, as in PEFT: "
+        "gate_proj covers MoE experts and the shared expert), or all-linear",
+        aliases=("target_modules",),
+    )
+    lora_adapter_path: str | None = option(
+        None,
+        "start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors); its rank, "
+        "alpha and layers are used",
+    )
+    check_lora_weight_equal: bool = option(
+        False, "after each sync, read every engine's served adapter back and compare it with the trainer's"
+    )
+    lora_merge_on_export: bool = option(
+        False, "--save-hf writes the merged model (base + adapter) instead of the PEFT adapter"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
+
+    def check(self) -> None:
+        if not self.enabled:
+            changed = [
+                flag
+                for flag, on in (
+                    ("--lora-alpha", self.lora_alpha is not None),
+                    ("--lora-dropout", self.lora_dropout != 0.0),
+                    ("--check-lora-weight-equal", self.check_lora_weight_equal),
+                    ("--lora-merge-on-export", self.lora_merge_on_export),
+                )  # fmt: skip
+                if on
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{changed[0]} configures LoRA; add --lora-rank R (or --lora-adapter-path DIR)"
+                )
+        if self.lora_adapter_path is not None and not Path(self.lora_adapter_path).is_dir():
+            raise ConfigError(
+                f"--lora-adapter-path {self.lora_adapter_path}: no such directory; give a PEFT adapter directory "
+                "(adapter_config.json + adapter_model.safetensors)"
+            )
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -901,3 +959,4 @@ class RunConfig:
     co_evolution: CoEvolutionSection = field(default_factory=CoEvolutionSection)
     sglang: SGLangSection = field(default_factory=SGLangSection)
     debug: DebugSection = field(default_factory=DebugSection)
+    lora: LoraSection = field(default_factory=LoraSection)

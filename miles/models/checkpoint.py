@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from miles.errors import CheckpointError
+from miles.lora.adapters import is_adapter_weight
 from miles.models.config import ModelConfig
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.transformer import Transformer, rope_inv_freq
@@ -105,7 +106,7 @@ def read_tensors(
 
 def load_state_dict_into(model: Transformer, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy `state` into `model` after checking names and shapes; nothing is copied on error."""
-    expected = model.state_dict()
+    expected = {k: v for k, v in model.state_dict().items() if not is_adapter_weight(k)}  # the base
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -170,10 +171,11 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 def hf_state_dict(
     model: Transformer, state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint holds, by Hugging Face name (tied lm_head left out); from `state`
-    when given (e.g. the whole weights an FSDP model gathered), else from the model."""
+    """The tensors a checkpoint holds, by Hugging Face name (tied lm_head and LoRA adapters left
+    out: the base); from `state` when given (e.g. the whole weights an FSDP model gathered), else
+    from the model."""
     state = model.state_dict() if state is None else state
-    state = {k: _own_storage(v) for k, v in state.items()}
+    state = {k: _own_storage(v) for k, v in state.items() if not is_adapter_weight(k)}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
@@ -208,14 +210,16 @@ def save_model(
     tokenizer=None,
     max_shard_bytes: int = 2 * 1024**3,
     dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face checkpoint directory atomically, in safetensors shards of at most
-    `max_shard_bytes` (split like weight-sync buckets: `miles.sync.buckets.plan_buckets`)."""
+    `max_shard_bytes` (split like weight-sync buckets: `miles.sync.buckets.plan_buckets`), of the
+    model's weights or of `state` (HF-named, e.g. a LoRA model merged)."""
     from miles.sync.buckets import plan_buckets
 
     path = Path(path)
     with atomic_directory(path) as tmp:
-        state = hf_state_dict(model)
+        state = hf_state_dict(model) if state is None else state
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         shards = [dict(items) for items in plan_buckets(state.items(), max_shard_bytes)] or [{}]

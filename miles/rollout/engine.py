@@ -32,7 +32,7 @@ from miles.models.transformer import Transformer
 from miles.rollout.sampling import Sampler, SamplingParams, scale_by_temperature
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
 from miles.rollout.steps import DecodeStep, choose_step
-from miles.rollout.weights import apply_named_tensors
+from miles.rollout.weights import apply_named_tensors, served_weights
 
 log = logging.getLogger("miles")
 
@@ -269,8 +269,9 @@ class Engine:
             return freed
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """This engine's weights (one engine), for --check-weight-update-equal."""
-        return [self.model.state_dict()]
+        """This engine's weights (one engine) and any LoRA adapter it serves, as received, for
+        --check-weight-update-equal and --check-lora-weight-equal."""
+        return [served_weights(self.model)]
 
     def node_ids(self) -> list[str]:
         """Ray nodes of the engine processes: none, it runs in this one."""

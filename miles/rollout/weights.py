@@ -7,14 +7,22 @@ from collections.abc import Iterable
 import torch
 
 from miles.errors import MilesError
+from miles.lora.serving import apply_adapter_update, is_adapter_update, served_adapter
 from miles.models.transformer import Transformer
 
 
 def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy each (HF name, tensor) into `model`; all are checked before any is copied.
 
-    Returns the number of tensors applied. A tied lm_head.weight is accepted and skipped.
+    Returns the number of tensors applied. A tied lm_head.weight is accepted and skipped. LoRA
+    adapters (`<module>.lora_A/B`, `lora.scale`) are merged into their layers (`miles.lora.serving`).
     """
+    named_tensors = list(named_tensors)
+    adapters = [(n, t) for n, t in named_tensors if is_adapter_update(n)]
+    if adapters:
+        named_tensors = [(n, t) for n, t in named_tensors if not is_adapter_update(n)]
+        applied = apply_adapter_update(model, adapters)
+        return applied + (apply_named_tensors(model, named_tensors) if named_tensors else 0)
     params = dict(model.state_dict(keep_vars=True))
     # layers that store weights their own way (FP8 codes, packed INT4) load them through load_weight
     loaders = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_weight")}
@@ -41,3 +49,8 @@ def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, t
             else:
                 param.copy_(tensor)
     return len(todo)
+
+
+def served_weights(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights and, when it serves a LoRA adapter, the adapter tensors as received."""
+    return {**model.state_dict(), **served_adapter(model).served}

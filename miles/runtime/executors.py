@@ -20,7 +20,7 @@ from miles.rollout.drafts import speculator_for
 from miles.rollout.engine import Engine
 from miles.runtime.devices import resolve_device
 from miles.runtime.protocols import HostsDraft, ReadsWeightsBack, ReleasesMemory, Rollout, Trainer
-from miles.sync.strategy import WeightSync, weight_sync_for
+from miles.sync.strategy import CheckedSync, WeightSync, weight_sync_for
 from miles.train.policy_trainer import PolicyTrainer
 from miles.train.prepare import prepare_train_model
 
@@ -67,6 +67,7 @@ def _implements(cls: type, capability: type) -> bool:
 ROLLOUT_NEEDS = (
     (lambda cfg: cfg.sync.colocate, ReleasesMemory, "--colocate"),
     (lambda cfg: cfg.sync.check_weight_update_equal, ReadsWeightsBack, "--check-weight-update-equal"),
+    (lambda cfg: cfg.lora.check_lora_weight_equal, ReadsWeightsBack, "--check-lora-weight-equal"),
     (lambda cfg: cfg.speculative.draft_model is not None, HostsDraft, "--draft-model"),
 )
 
@@ -116,7 +117,17 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
     )
     log.info("rollout engine decode step: %s", engine.decode_path)
     trainer = local_trainer(cfg, policy)
-    return Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine))
+    return with_adapters_served(cfg, Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine)))
+
+
+def with_adapters_served(cfg: RunConfig, executor: Executor) -> Executor:
+    """LoRA: the engines start from the base; the first sync gives them the starting adapter
+    (read back after every sync with --check-lora-weight-equal)."""
+    if cfg.lora.check_lora_weight_equal and not isinstance(executor.sync, CheckedSync):
+        executor.sync = CheckedSync(executor.sync, executor.trainer, executor.rollout)
+    if cfg.lora.enabled:
+        executor.sync.push(0)
+    return executor
 
 
 def local_trainer(cfg: RunConfig, policy) -> PolicyTrainer:
@@ -130,7 +141,7 @@ def build_sglang_executor(cfg: RunConfig, policy, tokenizer, ranks: int) -> Exec
     the servers start from the trainer's weights (version 0), by --sglang-weight-transport."""
     from miles.rollout.sglang_client import SGLangRollout
     from miles.runtime.metrics import run_dir_for
-    from miles.sync.strategy import CheckedSync, ServerSync
+    from miles.sync.strategy import ServerSync
 
     sg = cfg.sglang
     if on_ray(cfg):
@@ -157,7 +168,7 @@ def build_sglang_executor(cfg: RunConfig, policy, tokenizer, ranks: int) -> Exec
     if on_ray(cfg):
         rollout.placement = placement  # freed by its shutdown (the training ranks die with it)
     sync = ServerSync(trainer, rollout)
-    if cfg.sync.check_weight_update_equal:
+    if cfg.sync.check_weight_update_equal or cfg.lora.check_lora_weight_equal:
         sync = CheckedSync(sync, trainer, rollout)
     sync.push(0)
     log.info(
@@ -202,4 +213,4 @@ def build_ray_executor(cfg: RunConfig, policy, max_seq_len: int, ranks: int, dev
         hosts = len({ray.get_runtime_context().get_node_id(), *trainer.node_ids(), *manager.node_ids()})
     sync = weight_sync_for(sync_cfg, trainer, manager, on_ray=True, on_gpu=placement.use_gpu, hosts=hosts)
     manager.update_weights(hf_state_dict(policy).items(), version=0)  # the engines start from the policy
-    return Executor(trainer, manager, sync)
+    return with_adapters_served(cfg, Executor(trainer, manager, sync))

@@ -24,6 +24,7 @@ from miles.data.run_data import RunData, build_data
 from miles.diagnostics.memory import describe_bytes, memory_metrics, step_peak_memory
 from miles.diagnostics.mismatch_dump import save_dump
 from miles.errors import ConfigError, MilesError
+from miles.lora.peft_files import export_lora
 from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.quant.convert import low_precision, mode_at, start_mode
@@ -212,7 +213,16 @@ def _run_steps(run: Run) -> Path:
         done.close()
     if cfg.checkpoint.save_hf:
         run.trainer.sync_policy()
-        save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
+        if cfg.lora.enabled:  # the PEFT adapter, or base + adapter merged
+            export_lora(
+                run.policy,
+                cfg.checkpoint.save_hf,
+                cfg.model.model,
+                cfg.lora.lora_merge_on_export,
+                run.tokenizer,
+            )
+        else:
+            save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
     return run.run_dir
 
 

@@ -176,7 +176,9 @@ class EngineActor:
         return self.engine.kv_cache_bytes
 
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
-        return self.engine.weight_version, {k: v.cpu() for k, v in self.engine.model.state_dict().items()}
+        from miles.rollout.weights import served_weights
+
+        return self.engine.weight_version, {k: v.cpu() for k, v in served_weights(self.engine.model).items()}
 
     def pid(self) -> int:
         import os

@@ -168,27 +168,27 @@ class TrainerActor(GroupSender):
     def publish(self, bucket_bytes: int) -> list:
         """This rank's weights as buckets in Ray's object store: the engines fetch them from
         here, not through the driver (with FSDP only rank 0 holds whole weights to put)."""
-        from miles.models.checkpoint import hf_state_dict
+        from miles.sync.payload import published_weights
 
-        return put_buckets(hf_state_dict(self.actor.model, self._model_state()).items(), bucket_bytes)
+        return put_buckets(published_weights(self.actor.model, self._model_state()).items(), bucket_bytes)
 
     def broadcast_weights(self, bucket_bytes: int):
         """Rank 0 broadcasts its weights to the engines (with FSDP every rank joins the gather)."""
-        from miles.models.checkpoint import hf_state_dict
+        from miles.sync.payload import published_weights
 
         state = self._model_state()
         if self.rank == 0:
-            return self.weight_group.send(hf_state_dict(self.actor.model, state).items(), bucket_bytes)
+            return self.weight_group.send(published_weights(self.actor.model, state).items(), bucket_bytes)
         return None
 
     def share_handles(self) -> bytes:
         """Zero-copy: this rank's weights moved into shared memory once (the optimizer keeps
         updating them there) and handles to them, which engines on this host map."""
         if self._handles is None:
-            from miles.models.checkpoint import hf_state_dict
+            from miles.sync.payload import published_weights
             from miles.sync.transports import handles, share
 
-            named = list(hf_state_dict(self.actor.model).items())
+            named = list(published_weights(self.actor.model).items())
             share(named)
             self._handles = handles(named)
         return self._handles
@@ -298,6 +298,10 @@ class RayTrainer:
     ) -> None:
         """`actor_options[r]`: Ray options of rank r (its placement-group bundle and share)."""
         options = actor_options or [{}] * world
+        if cfg.lora.enabled:  # the driver's copy carries the same adapters (checkpoints, sync)
+            from miles.train.prepare import add_lora
+
+            add_lora(policy, cfg)
         self._rank0_options = options[0]
         addr, port = rendezvous(options[0])  # on rank 0's node
         self.ranks = [
@@ -359,19 +363,19 @@ class RayTrainer:
             self._policy_stale = False
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0's weights by Hugging Face name (through the driver's copy)."""
-        from miles.models.checkpoint import hf_state_dict
+        """Rank 0's weights by Hugging Face name (through the driver's copy; LoRA: the adapters)."""
+        from miles.sync.payload import published_weights
 
         self.sync_policy()
-        return hf_state_dict(self.policy)
+        return published_weights(self.policy)
 
     def share_weights(self) -> None:
         """Zero-copy sync: the driver's copy goes to shared memory (used with FSDP, whose ranks
         hold shards only); rank 0 shares its own weights on the first `weight_handles`."""
-        from miles.models.checkpoint import hf_state_dict
+        from miles.sync.payload import published_weights
         from miles.sync.transports import share
 
-        share(hf_state_dict(self.policy).items())
+        share(published_weights(self.policy).items())
 
     def weight_handles(self) -> bytes | None:
         """Handles to rank 0's weights in shared memory (None with FSDP: a rank holds only a shard)."""

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from miles.errors import CheckpointError, ConfigError
+from miles.lora.adapters import spec_of
+from miles.lora.peft_files import is_adapter_dir, load_adapter, save_adapter
 from miles.models.checkpoint import atomic_directory, read_tensors, save_model, tensor_files
 from miles.models.checkpoint import load_state_dict_into as _load_into
 
@@ -46,7 +48,10 @@ def save_checkpoint(
     final = save_dir / f"iter_{rollout_id:07d}"
     with atomic_directory(final) as tmp:
         for folder, model in models.items():
-            save_model(model, tmp / folder, tokenizer=tokenizer)
+            if spec_of(model) is not None:  # LoRA: the adapter (PEFT files); the base is --model's
+                save_adapter(model, tmp / folder)
+            else:
+                save_model(model, tmp / folder, tokenizer=tokenizer)
         torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "trainer_state.pt")
     mark_latest(save_dir, rollout_id)
     return final
@@ -92,10 +97,25 @@ def load_checkpoint(path: Path, models: Mapping[str, Any]) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not ours
         raise CheckpointError(f"{path / 'trainer_state.pt'}: cannot be read ({type(e).__name__}: {e})") from e
     for folder, model in models.items():
+        if is_adapter_dir(path / folder) or spec_of(model) is not None:
+            load_run_adapter(model, path / folder)
+            continue
         files = tensor_files(path / folder)
         _load_into(model, read_tensors(path / folder, files, files.keys()), str(path / folder))
     set_rng_state(state["rng"])
     return state
+
+
+def load_run_adapter(model, folder: Path) -> None:
+    """A LoRA run's checkpoint holds its adapter; a run resumes it only with adapters of its own."""
+    if spec_of(model) is None:
+        raise CheckpointError(f"{folder} holds a LoRA adapter; resume it with the same --lora-rank flags")
+    if not is_adapter_dir(folder):
+        raise CheckpointError(
+            f"{folder} holds whole weights, not a LoRA adapter; this run has --lora-rank (start from the weights "
+            "with --model, not --load)"
+        )
+    load_adapter(model, folder)
 
 
 def load_latest(load_dir: str | Path, models: Mapping[str, Any]) -> tuple[Path, dict[str, Any]] | None:

@@ -28,9 +28,10 @@ from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.diagnostics.memory import measure_peak, training_memory
 from miles.errors import ConfigError
-from miles.models.checkpoint import hf_state_dict
+from miles.lora import adapters as lora
 from miles.models.transformer import Transformer
 from miles.quant.convert import fp8_metrics
+from miles.sync.payload import published_weights
 from miles.sync.transports import share
 from miles.train.auto_batch import AutoBatch
 from miles.train.batch import PackedBatch, forward_logprobs, pack_samples, recorded_routing
@@ -131,14 +132,16 @@ class PolicyTrainer:
                 "--optimizer-cpu-offload: training runs on CPU, its optimizer state is in host memory already"
             )
         self.optimizer = (HostAdamW if host else torch.optim.AdamW)(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters only
             lr=train_cfg.lr,
             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
             weight_decay=train_cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.ref_model = None
-        if needs_reference(cfg):
+        # with LoRA the reference is the base: the policy with its adapters switched off, no copy
+        self.lora_reference = needs_reference(cfg) and lora.spec_of(model) is not None
+        if needs_reference(cfg) and not self.lora_reference:
             self.ref_model = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.skipped_steps = 0
         self.consecutive_skipped = 0  # optimizer steps skipped in a row (reset by a taken step)
@@ -183,13 +186,14 @@ class PolicyTrainer:
         trainer's version copies rank 0's weights)."""
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The weights to publish, by Hugging Face name (views of the model's own tensors)."""
-        return hf_state_dict(self.model)
+        """The weights to publish, by Hugging Face name (views of the model's own tensors); with
+        LoRA the adapters alone (`miles.sync.payload`)."""
+        return published_weights(self.model)
 
     def share_weights(self) -> None:
         """Zero-copy sync: move the weights into shared memory once; the optimizer keeps updating
         them there."""
-        share(hf_state_dict(self.model).items())
+        share(self.hf_weights().items())
 
     def weight_handles(self) -> bytes | None:
         """None: an engine in this process reads the tensors themselves (`send_shared`)."""
@@ -298,7 +302,14 @@ class PolicyTrainer:
         """Per-token log pi - log pi_ref of each response (the KL penalty REINFORCE++ folds into
         its rewards); needs the reference model, which a positive --kl-coef creates."""
         with torch.no_grad():
-            return [o - r for o, r in zip(self.logprobs(samples), self.logprobs(samples, self.ref_model))]
+            return [o - r for o, r in zip(self.logprobs(samples), self.reference_logprobs(samples))]
+
+    def reference_logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor] | None:
+        """Log-probs under the KL reference (None when no KL term is on)."""
+        if self.lora_reference:
+            with lora.disabled(self.model):
+                return self.logprobs(samples)
+        return self.logprobs(samples, self.ref_model) if self.ref_model is not None else None
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.all_sum is None:
@@ -311,7 +322,7 @@ class PolicyTrainer:
         # With one optimizer step per rollout every micro-batch runs before the update, so the
         # "old" log-probs are the forward's own (detached): no extra forward pass.
         old = self.logprobs(samples) if cfg.train.num_steps_per_rollout > 1 else [None] * len(samples)
-        ref = self.logprobs(samples, self.ref_model) if self.ref_model is not None else None
+        ref = self.reference_logprobs(samples)
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
 
