@@ -179,7 +179,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
         model=args.model, task=args.task, task_config=task_config, data=args.data, input_key=args.input_key,
         label_key=args.label_key, chat=not args.no_chat, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         seed=args.seed, eval_every=args.eval_every, target_accuracy=args.target_accuracy, save=args.save, log=args.log,
-        eval_size=args.eval_size,
+        eval_size=args.eval_size, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_target_modules=args.lora_target_modules,
     )  # fmt: skip
     result = run_sft(cfg)
     print(
@@ -316,7 +317,20 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument(
         "--target-accuracy", type=number(float, 0), help="stop once held-out accuracy reaches this"
     )
-    sft.add_argument("--save", help="write the model (HF checkpoint) here")
+    sft.add_argument("--save", help="write the model (HF checkpoint; with --lora-rank the PEFT adapter) here")
+    sft.add_argument(
+        "--lora-rank",
+        type=number(int, 0),
+        default=0,
+        help="train LoRA adapters of this rank (0: every weight)",
+    )
+    sft.add_argument(
+        "--lora-alpha", type=number(float, 0, low_open=True), help="adapter scale alpha / r (2 x rank)"
+    )
+    sft.add_argument(
+        "--lora-target-modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        help="layer names to adapt (as in PEFT), or all-linear",
+    )  # fmt: skip
     sft.add_argument("--log", help="write per-step loss/accuracy JSONL here")
     sft.set_defaults(func=cmd_sft)
 

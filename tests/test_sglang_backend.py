@@ -217,3 +217,33 @@ def test_weights_broadcast_over_the_weight_update_group(servers):
         new = {k: v * 1.001 for k, v in new.items()}
     for url in servers:
         assert json.loads(urllib.request.urlopen(url + "/get_server_info").read())["weight_version"] == 8
+
+
+def test_lora_adapters_reach_the_servers_by_disk_and_by_group(servers, tmp_path):
+    """A LoRA sync to miles serve: as a PEFT adapter directory (disk) or over the weight-update
+    group, each server reads back the adapter sent and serves base + scale * B A."""
+    import torch
+
+    from miles.lora.adapters import LoraSpec, adapted, add_adapters, merged_state
+    from miles.models.checkpoint import hf_state_dict
+    from miles.sync.payload import published_weights
+
+    policy, tokenizer = registry.load("tiny")
+    add_adapters(policy, LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj")), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    for transport, version in (("disk", 11), ("distributed", 12)):
+        with torch.no_grad():
+            for m in adapted(policy).values():
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * 0.1)
+        rollout = SGLangRollout(servers, tokenizer, policy.config, tmp_path / transport, transport=transport)
+        payload = published_weights(policy)
+        rollout.update_weights(payload.items(), version=version)
+        merged = merged_state(policy, hf_state_dict(policy))
+        for state in rollout.states():
+            assert all(torch.equal(state[k], v.float()) for k, v in payload.items())
+        rollout._shapes = {k: list(merged[k].shape) for k in ("model.layers.1.self_attn.q_proj.weight",)}
+        for state in rollout.states():  # the served layer is merged (values pass through JSON)
+            for k, v in state.items():
+                assert (v - merged[k]).abs().max() < 1e-6
+        if transport == "disk":
+            assert (tmp_path / transport / "current" / "adapter_config.json").exists()

@@ -87,7 +87,7 @@ def target_modules(model: nn.Module, spec: LoraSpec) -> dict[str, nn.Module]:
     return chosen
 
 
-def _add_low_rank(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+def add_low_rank(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """Forward hook of an adapted projection."""
     if not module.lora_enabled:
         return out
@@ -112,7 +112,7 @@ def add_adapters(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
         m.lora_A = nn.Parameter(a.to(weight.device, dtype))
         m.lora_B = nn.Parameter(torch.zeros(m.out_features, spec.rank, device=weight.device, dtype=dtype))
         m.lora_scale, m.lora_dropout, m.lora_enabled = scale, spec.dropout, True
-        m.register_forward_hook(_add_low_rank)
+        m.register_forward_hook(add_low_rank)
     model.lora_spec = spec
     model.lora_scale_tensor = torch.tensor(scale)  # travels with every sync
     return list(chosen)
@@ -163,6 +163,23 @@ def merged_state(model: nn.Module, base: dict[str, torch.Tensor]) -> dict[str, t
         key = f"{name}.weight"
         out[key] = base[key] + delta(m.lora_A.detach(), m.lora_B.detach(), scale).to(base[key].dtype)
     return out
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """In place: each adapter merged into its layer's weight (W + scale * B A) and removed, so
+    the model is a plain one again (PEFT's merge_and_unload); plain layers only."""
+    with torch.no_grad():
+        for m in adapted(model).values():
+            m.weight.add_(delta(m.lora_A, m.lora_B, m.lora_scale).to(m.weight.dtype))
+            for hook_id, hook in list(m._forward_hooks.items()):
+                if hook is add_low_rank:
+                    del m._forward_hooks[hook_id]
+            for attr in ("lora_A", "lora_B", "lora_scale", "lora_dropout", "lora_enabled"):
+                delattr(m, attr)
+    for attr in ("lora_spec", "lora_scale_tensor"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    return model
 
 
 def trainable_share(model: nn.Module) -> tuple[int, int]:

@@ -166,3 +166,33 @@ def export_lora(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(path)
+
+
+def save_sync_adapter(named: dict[str, torch.Tensor], path: str | os.PathLike) -> Path:
+    """A LoRA sync payload (`miles.sync.payload`) as a PEFT adapter directory (the SGLang
+    backend's disk transport): rank from A's rows, alpha = scale x rank."""
+    from peft import LoraConfig
+
+    from miles.lora.serving import SCALE
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    scale = float(named[SCALE])
+    modules = sorted({n.rsplit(".", 1)[0] for n in named if n != SCALE})
+    rank = int(named[f"{modules[0]}.lora_A"].shape[0])
+    LoraConfig(
+        r=rank, lora_alpha=scale * rank, target_modules=modules, task_type="CAUSAL_LM"
+    ).save_pretrained(str(path))
+    tensors = {
+        f"{PREFIX}{n}.weight": t.detach().float().contiguous().cpu() for n, t in named.items() if n != SCALE
+    }
+    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
+    return path
+
+
+def sync_payload_of(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT adapter directory as the named tensors an engine merges (A, B, `lora.scale`)."""
+    from miles.lora.serving import SCALE
+
+    spec, named, _ = read_adapter(path)
+    return [*named.items(), (SCALE, torch.tensor(float(torch.tensor(spec.scale))))]

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from miles.errors import MilesError
-from miles.lora.adapters import delta, is_adapter_weight
+from miles.lora.adapters import add_low_rank, delta, is_adapter_weight
 
 SCALE = "lora.scale"
 
@@ -45,6 +45,17 @@ def _weight_of(layer: nn.Module) -> torch.Tensor:
     if hasattr(layer, "dequantized_weight"):
         return layer.dequantized_weight().float()
     return layer.weight.detach()
+
+
+def attach_unmerged(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    """Serve the adapter through the trainer's own hook: requantizing W + BA would add a rounding
+    the trainer (quantized base + full-precision adapter, QLoRA) never sees."""
+    first = not hasattr(layer, "lora_A")
+    device = next(iter([*layer.parameters(), *layer.buffers()])).device  # an engine's codes are buffers
+    layer.lora_A, layer.lora_B = a.to(device, torch.float32), b.to(device, torch.float32)
+    layer.lora_scale, layer.lora_dropout, layer.lora_enabled = scale, 0.0, True
+    if first:
+        layer.register_forward_hook(add_low_rank)
 
 
 def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -77,6 +88,9 @@ def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tens
             if a is None or b is None:
                 continue
             layer = modules[module_name]
+            if hasattr(layer, "load_weight"):  # FP8/INT4: the adapter beside the quantized base, as trained
+                attach_unmerged(layer, a, b, scale)
+                continue
             base = state.base.get(module_name)
             if base is None:
                 base = state.base[module_name] = _weight_of(layer).clone()

@@ -359,6 +359,7 @@ class EngineServer:
 
     def weights_by_name(self, body: Any) -> list:
         """SGLang's /get_weights_by_name: a parameter's first `truncate_size` values, flattened."""
+        from miles.lora.serving import served_adapter
         from miles.models.checkpoint import hf_state_dict
 
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
@@ -366,7 +367,7 @@ class EngineServer:
         size = body.get("truncate_size", 100)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise BadRequest("truncate_size must be a positive integer")
-        state = hf_state_dict(self.engine.model)
+        state = {**hf_state_dict(self.engine.model), **served_adapter(self.engine.model).served}  # LoRA too
         if body["name"] not in state:
             raise BadRequest(f"no parameter {body['name']!r}; e.g. {sorted(state)[:3]}")
         return state[body["name"]].detach().float().reshape(-1)[:size].tolist()
@@ -422,6 +423,7 @@ class EngineServer:
         }
 
     def update_from_disk(self, body: Any) -> dict:
+        from miles.lora.peft_files import is_adapter_dir, sync_payload_of
         from miles.models.checkpoint import hf_state_dict, load_model
 
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
@@ -431,8 +433,10 @@ class EngineServer:
             version = int(version)
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise BadRequest("weight_version must be an integer (or a string of one)")
-        new = load_model(body["model_path"])
-        state = hf_state_dict(new)
+        if is_adapter_dir(body["model_path"]):  # a LoRA run's sync: its adapter, merged onto the base
+            state = dict(sync_payload_of(body["model_path"]))
+        else:
+            state = hf_state_dict(load_model(body["model_path"]))
         bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
         if bad:
             raise BadRequest(

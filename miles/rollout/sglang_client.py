@@ -316,13 +316,18 @@ class SGLangRollout:
         """Write the tensors as a checkpoint under --sglang-weight-dir and have every server load it."""
         from safetensors.torch import save_file
 
+        from miles.lora.peft_files import save_sync_adapter
+        from miles.lora.serving import is_adapter_update
         from miles.models.checkpoint import atomic_directory
 
         path = self.weight_dir / "current"
         with atomic_directory(path) as tmp:
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in named}
-            save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(self.model_config.to_hf_dict(), indent=2))
+            if any(is_adapter_update(k) for k, _ in named):  # LoRA: a PEFT adapter for the served base
+                save_sync_adapter(dict(named), tmp)
+            else:
+                tensors = {k: v.detach().to("cpu").contiguous() for k, v in named}
+                save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+                (tmp / "config.json").write_text(json.dumps(self.model_config.to_hf_dict(), indent=2))
         body = {"model_path": str(path.resolve()), "weight_version": str(version)}
         for server in self.servers:
             out = self._with_retries(lambda s: self._call(s, "/update_weights_from_disk", body), [server])

@@ -42,6 +42,8 @@ def apply_named_tensors(model: Transformer, named_tensors: Iterable[tuple[str, t
                 f"weight update: {name!r} has shape {tuple(tensor.shape)}, the model's is {shape}"
             )
         todo.append((name, params[name], tensor))
+    if todo and served_adapter(model).base:  # whole weights replace the base an adapter was merged onto
+        model.served_lora = None
     with torch.no_grad():
         for name, param, tensor in todo:
             if name in loaders:

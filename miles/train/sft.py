@@ -16,6 +16,15 @@ from tqdm import tqdm
 from miles.data.prompts import PromptItem, file_prompts, task_prompts
 from miles.data.sample import Sample
 from miles.errors import ConfigError
+from miles.lora.adapters import (
+    DEFAULT_TARGETS,
+    LoraSpec,
+    add_adapters,
+    merge_and_unload,
+    parse_targets,
+    spec_of,
+)
+from miles.lora.peft_files import export_lora
 from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.models.tokenizer import encode_prompt
@@ -43,6 +52,9 @@ class SFTConfig:
     target_accuracy: float | None = None  # stop once held-out accuracy reaches this
     save: str | None = None
     log: str | None = None  # JSONL of (step, loss, eval accuracy)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank over the frozen model
+    lora_alpha: float | None = None  # default 2 x rank
+    lora_target_modules: str = ",".join(DEFAULT_TARGETS)
 
 
 def sft_samples(items: list[PromptItem], tokenizer, chat: bool) -> list[Sample]:
@@ -68,7 +80,10 @@ def sft_samples(items: list[PromptItem], tokenizer, chat: bool) -> list[Sample]:
 def greedy_accuracy(model, tokenizer, items: list[PromptItem], chat: bool, rewards: RewardRunner) -> float:
     """Share of held-out prompts whose greedy answer the run's reward scores 1 (the RL loop's
     definition of correct)."""
-    engine = Engine(copy.deepcopy(model), tokenizer, max_batch_size=128, max_seq_len=256)
+    served = copy.deepcopy(model)
+    if spec_of(served) is not None:  # the engine serves base + adapter merged, as in RL
+        merge_and_unload(served)
+    engine = Engine(served, tokenizer, max_batch_size=128, max_seq_len=256)
     params = SamplingParams(temperature=0, max_new_tokens=16)
     samples = engine.generate(
         [
@@ -88,7 +103,10 @@ def run_sft(cfg: SFTConfig) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = registry.load(cfg.model, seed=cfg.seed)
     if cfg.task:
-        items, dataset = task_prompts(cfg.task, 100_000, cfg.seed, cfg.task_config or {})
+        pool = min(
+            100_000, cfg.steps * cfg.batch_size
+        )  # as many problems as the run can draw (making one costs)
+        items, dataset = task_prompts(cfg.task, pool, cfg.seed, cfg.task_config or {})
         held = []
         if cfg.eval_size:
             held, _ = task_prompts(cfg.task, cfg.eval_size, cfg.seed + 10_007, cfg.task_config or {})
@@ -104,8 +122,14 @@ def run_sft(cfg: SFTConfig) -> dict:
             f"{cfg.eval_size}); give a smaller --eval-size (0: no held-out set)"
         )
     rewards = RewardRunner("auto", None, False, 30.0, dataset)  # the task's scorer, else exact match
+    if cfg.lora_rank:
+        alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank
+        add_adapters(
+            model, LoraSpec(cfg.lora_rank, alpha, targets=parse_targets(cfg.lora_target_modules)), cfg.seed
+        )
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(cfg.seed)
     history = []
     log_file = Path(cfg.log).open("w") if cfg.log else None
@@ -121,7 +145,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         record = {"step": step, "loss": loss.item(), "time": time.perf_counter() - t0}
         if held and (step % cfg.eval_every == 0 or step == cfg.steps):
@@ -137,6 +161,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         if cfg.target_accuracy is not None and record.get("eval_accuracy", -1) >= cfg.target_accuracy:
             break
     bar.close()
-    if cfg.save:
+    if cfg.save and cfg.lora_rank:  # the PEFT adapter (load it with --lora-adapter-path, or peft)
+        export_lora(model.eval(), cfg.save, cfg.model, merged=False, tokenizer=tokenizer)
+    elif cfg.save:
         save_model(model.eval(), cfg.save, tokenizer=tokenizer)
     return {"steps": len(history), "loss": history[-1]["loss"], "eval_accuracy": acc}
