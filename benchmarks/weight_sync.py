@@ -83,8 +83,8 @@ def to_actor_transports(named, repeats):
 
     @ray.remote(num_cpus=0)
     class Receiver:
-        def __init__(self, sizes):
-            self.sink = Sink([(n, torch.empty(k)) for n, k in sizes])
+        def __init__(self, sizes):  # (name, shape) of each tensor
+            self.sink = Sink([(n, torch.empty(shape)) for n, shape in sizes])
 
         def from_store(self, buckets):
             from miles.sync.object_store import from_object_store
@@ -99,7 +99,7 @@ def to_actor_transports(named, repeats):
             for items in self.group.receive():
                 self.sink.update_weights(items)
 
-    actor = Receiver.remote([(n, t.numel()) for n, t in named])
+    actor = Receiver.remote([(n, tuple(t.shape)) for n, t in named])
     addr, port = free_address()
     joined = actor.join.remote(addr, port)
     group = WeightGroup(addr, port, 0, 2, torch.device("cpu"))

@@ -137,10 +137,12 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.state_dict(keep_vars=True).items() if is_adapter_weight(n)}
 
 
-def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """The merged update of one layer, (scale * B) A, shape (out, in); trainer and engine both
-    compute it so, and get the same bits."""
-    return (b * scale) @ a
+def merged_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """W = base + scale * B A of one layer, in one fused call (into `out` when given); trainer
+    and engine both merge through here, so they get the same bits."""
+    return torch.addmm(base, b.to(base.dtype), a.to(base.dtype), alpha=scale, out=out)
 
 
 @contextlib.contextmanager
@@ -161,7 +163,7 @@ def merged_state(model: nn.Module, base: dict[str, torch.Tensor]) -> dict[str, t
     out, scale = dict(base), float(model.lora_scale_tensor)
     for name, m in adapted(model).items():
         key = f"{name}.weight"
-        out[key] = base[key] + delta(m.lora_A.detach(), m.lora_B.detach(), scale).to(base[key].dtype)
+        out[key] = merged_weight(base[key], m.lora_A.detach(), m.lora_B.detach(), scale)
     return out
 
 
@@ -170,7 +172,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     the model is a plain one again (PEFT's merge_and_unload); plain layers only."""
     with torch.no_grad():
         for m in adapted(model).values():
-            m.weight.add_(delta(m.lora_A, m.lora_B, m.lora_scale).to(m.weight.dtype))
+            m.weight.copy_(merged_weight(m.weight, m.lora_A, m.lora_B, m.lora_scale))
             for hook_id, hook in list(m._forward_hooks.items()):
                 if hook is add_low_rank:
                     del m._forward_hooks[hook_id]

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from miles.errors import MilesError
-from miles.lora.adapters import add_low_rank, delta, is_adapter_weight
+from miles.lora.adapters import add_low_rank, is_adapter_weight, merged_weight
 
 SCALE = "lora.scale"
 
@@ -38,13 +38,6 @@ def served_adapter(model: nn.Module) -> ServedAdapter:
     if state is None:
         state = model.served_lora = ServedAdapter()
     return state
-
-
-def _weight_of(layer: nn.Module) -> torch.Tensor:
-    """The layer's weight in full precision (an FP8/INT4 layer's dequantized codes)."""
-    if hasattr(layer, "dequantized_weight"):
-        return layer.dequantized_weight().float()
-    return layer.weight.detach()
 
 
 def attach_unmerged(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
@@ -93,10 +86,6 @@ def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tens
                 continue
             base = state.base.get(module_name)
             if base is None:
-                base = state.base[module_name] = _weight_of(layer).clone()
-            merged = base + delta(a.to(base), b.to(base), scale)
-            if hasattr(layer, "load_weight"):
-                layer.load_weight(merged)
-            else:
-                layer.weight.copy_(merged)
+                base = state.base[module_name] = layer.weight.detach().clone()
+            merged_weight(base, a.to(base.device), b.to(base.device), scale, out=layer.weight)  # bumps its version: the fused step repacks
     return count
