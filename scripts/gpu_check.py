@@ -411,6 +411,15 @@ def main() -> None:
     default_job_on_cuda(
         ["--auto-batch", "--memory-budget-gb", "2"], "default job, --auto-batch (2 GB of CUDA memory)"
     )
+    default_job_on_cuda(
+        ["--lora-rank", "8", "--lr", "1e-3", "--check-lora-weight-equal"], "default job, --device cuda, LoRA r=8",
+        check_weights=False,
+    )  # fmt: skip
+    default_job_on_cuda(
+        ["--lora-rank", "8", "--lr", "1e-3", "--use-zero-copy-sync"],
+        "LoRA r=8, zero-copy (adapters mapped)",
+        False,
+    )
     sglang_backend()
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)

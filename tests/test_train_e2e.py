@@ -261,3 +261,19 @@ def test_profile_says_when_the_run_is_shorter_than_what_it_records(tmp_path, cap
     with caplog.at_level("WARNING", logger="miles"):
         StepProfiler(tmp_path, steps=2).close()
     assert any("the trace holds 1" in r.getMessage() for r in caplog.records)
+
+
+def test_default_job_settings_run_on_a_dense_model(tmp_path):
+    """The default job's settings (R3 on) on a dense checkpoint: routing replay has nothing to
+    replay, so it is turned off instead of failing the first training step."""
+    from miles.models.checkpoint import save_model
+    from miles.models.tokenizer import byte_tokenizer
+    from tests.conftest import random_model
+
+    tokenizer = byte_tokenizer()
+    save_model(random_model("llama", vocab_size=len(tokenizer)), tmp_path / "dense", tokenizer=tokenizer)
+    cfg = load_config(small_run_args(tmp_path / "run", 1) + ["--model", str(tmp_path / "dense")])
+    assert cfg.algo.use_r3  # from default_train.yaml
+    train(cfg)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["rollout"] for r in rows if "loss" in r] == [0] and "routing_mismatch_frac" not in rows[-1]

@@ -87,5 +87,7 @@ def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tens
             base = state.base.get(module_name)
             if base is None:
                 base = state.base[module_name] = layer.weight.detach().clone()
-            merged_weight(base, a.to(base.device), b.to(base.device), scale, out=layer.weight)  # bumps its version: the fused step repacks
+            merged_weight(
+                base, a.to(base.device), b.to(base.device), scale, out=layer.weight
+            )  # bumps its version: the fused step repacks
     return count

@@ -305,12 +305,25 @@ class SGLangRollout:
         """Every server takes these weights: from disk, or broadcast over the weight-update group."""
         version = self._version + 1 if version is None else version
         named = list(named)
+        self._check_adapters_served(named)
         if self.transport == "distributed":
             self._update_distributed(named, version)
         else:
             self._update_from_disk(named, version)
         self._version = version
         self._shapes = {name: list(t.shape) for name, t in named}
+
+    def _check_adapters_served(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """A LoRA sync needs servers that merge adapters (miles serve)."""
+        from miles.lora.serving import is_adapter_update
+
+        stock = [url for url, v in self.server_versions.items() if not v.startswith("miles")]
+        if stock and any(is_adapter_update(n) for n, _ in named):
+            raise MilesError(
+                f"--lora-rank with --sglang-url {stock[0]} (version {self.server_versions[stock[0]]}): miles sends "
+                "LoRA adapters alone, which `miles serve` merges; a stock SGLang server loads whole weights only. "
+                "Serve with `miles serve`, or train without --lora-rank"
+            )
 
     def _update_from_disk(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Write the tensors as a checkpoint under --sglang-weight-dir and have every server load it."""

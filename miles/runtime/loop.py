@@ -82,6 +82,9 @@ def train(cfg: RunConfig) -> Path:
     torch.manual_seed(cfg.train.seed)
     policy, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)
     check_finite_weights(policy, cfg.model.model)
+    if cfg.algo.use_r3 and not policy.config.is_moe:  # e.g. the default job's settings on SmolLM2
+        log.info("--use-r3 replays MoE routing; --model %s is dense, so it is off", cfg.model.model)
+        cfg.algo.use_r3 = False
     if tokenizer is None:
         raise MilesError(
             f"--model {cfg.model.model}: the checkpoint has no tokenizer (tokenizer.json); training needs one"

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from miles.errors import MilesError
 from miles.sync.buckets import checksum
+from miles.sync.payload import published_weights
 from miles.sync.transports import (
     BucketBuffer,
     SyncStats,
@@ -135,7 +136,7 @@ class SharedMemory:
                 return send_shared(named, self.rollout, version)
             blob = handles(named)  # the driver's copy (FSDP ranks hold shards only)
         self.rollout.update_weights_from_handles(blob, version)
-        payload = sum(t.numel() * t.element_size() for t in self.trainer.policy.parameters())
+        payload = sum(t.numel() * t.element_size() for t in published_weights(self.trainer.policy).values())
         return SyncStats(0, 1, payload, len(blob), time.perf_counter() - t0)
 
 
