@@ -162,7 +162,14 @@ def test_lora_run_trains_adapters_only_and_resumes_exactly(tmp_path):
         "0.01",
     ]
     straight = tmp_path / "straight"
-    train(load_config(small_run_args(straight, 3) + flags + ["--save-hf", str(tmp_path / "adapter")]))
+    # zero-copy here, buckets in the resumed run: both transports serve the same adapter
+    train(
+        load_config(
+            small_run_args(straight, 3)
+            + flags
+            + ["--save-hf", str(tmp_path / "adapter"), "--use-zero-copy-sync"]
+        )
+    )
     first = tmp_path / "first"
     ckpt = tmp_path / "ckpt"
     train(load_config(small_run_args(first, 2) + flags + ["--save", str(ckpt), "--save-interval", "1"]))
