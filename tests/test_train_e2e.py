@@ -277,3 +277,48 @@ def test_default_job_settings_run_on_a_dense_model(tmp_path):
     train(cfg)
     rows = read_metrics(tmp_path / "run")
     assert [r["rollout"] for r in rows if "loss" in r] == [0] and "routing_mismatch_frac" not in rows[-1]
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--async-weight-sync"],
+        ["--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-max-response-len", "12"],
+        ["--draft-model", "auto", "--online-sft-interval", "1", "--no-spec-adaptive"],  # adaptive: by timing
+    ],
+    ids=["async", "partial", "online-draft"],
+)
+def test_resume_continues_each_mode_as_if_never_stopped(tmp_path, mode):
+    """Stopped after rollout 1 and resumed, a run equals the uninterrupted one: the checkpoint
+    holds the rollout running ahead (async), the partial groups carried over, and the online
+    draft's weights, optimizer and pending rollouts."""
+    import shutil
+
+    n = 4
+    train(
+        load_config(
+            small_run_args(tmp_path / "ref", n)
+            + mode
+            + ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+        )
+    )
+    stopped = tmp_path / "stopped"  # the run as a stop after rollout 1 leaves it
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000001", stopped / "iter_0000001")
+    (stopped / "latest").write_text("1")
+    shutil.copy(tmp_path / "ref" / "metrics.jsonl", tmp_path / "run.jsonl")
+    (tmp_path / "run").mkdir()
+    lines = (tmp_path / "run.jsonl").read_text().splitlines()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        "\n".join(lines[:3]) + "\n"
+    )  # the base's eval, rollouts 0-1
+    train(load_config(small_run_args(tmp_path / "run", n) + mode + ["--load", str(stopped)]))
+    reference, resumed = (
+        comparable(read_metrics(tmp_path / "ref")),
+        comparable(read_metrics(tmp_path / "run")),
+    )
+    assert [r["rollout"] for r in resumed] == [r["rollout"] for r in reference] == [-1, *range(n)]
+    for ref, got in zip(reference, resumed):
+        for k in ref:
+            if "seconds" in k or "per_s" in k or k.startswith("spec_draft_time"):
+                continue  # how long, not what
+            assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (ref["rollout"], k)

@@ -9,8 +9,8 @@ response token records the weight version that produced it (`Sample.token_versio
 part is off-policy; --use-tis corrects it, and --mask-offpolicy-in-partial-rollout instead leaves
 it out of the loss. Complete groups beyond what a step trains are carried whole, so every sample is
 trained exactly once. On Ray engines the driver polls each engine for finished samples and stops
-them all (`RolloutManager.generate_until`). Carried groups live in memory: a run resumed from a
-checkpoint starts without them.
+them all (`RolloutManager.generate_until`). Checkpoints keep the carried groups, so a resumed run
+continues them as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -132,6 +132,14 @@ class PartialRollout:
         enough(finished)
         for sample in aborted:
             place(sample)
+
+    def state_dict(self) -> dict:
+        """The groups carried to the next rollout (every request sent: samples finished or cut off)."""
+        assert all(not g.requests for g in self.carried), "carried groups hold sent requests only"
+        return {"carried": [list(g.samples) for g in self.carried]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.carried = [_Group(list(samples)) for samples in state["carried"]]
 
     def collect(
         self,

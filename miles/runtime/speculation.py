@@ -47,6 +47,34 @@ class OnlineDraft:
                 )
         return metrics
 
+    def state_dict(self) -> dict | None:
+        """The online draft's weights, AdamW and EMA state and the rollouts it has not trained on
+        yet (None without online training: the draft never changes)."""
+        if self.trainer is None:
+            return None
+        return {**_draft_state(self.trainer), "pending": self.pending}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore the draft and serve it again (the engines started from the checkpoint's draft file)."""
+        if state is None or self.trainer is None:
+            return
+        self.trainer.model.load_state_dict(state["model"])
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        if self.trainer.ema is not None and state["ema"] is not None:
+            self.trainer.ema.load_state_dict(state["ema"])
+        self.pending = list(state["pending"])
+        self.rollout.update_draft(
+            {k: v.detach().cpu() for k, v in self.trainer.served().state_dict().items()}
+        )
+
+
+def _draft_state(trainer: DraftTrainer) -> dict:
+    return {
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "ema": trainer.ema.state_dict() if trainer.ema is not None else None,
+    }
+
 
 def profile_table(rollout_id: int, stats) -> str:
     """--profile-speculative: one step's acceptance curve, costs and the best lookahead for them."""

@@ -142,10 +142,11 @@ def load_latest(load_dir: str | Path, models: Mapping[str, Any]) -> tuple[Path, 
     raise CheckpointError(f"--load {load_dir}: no checkpoint loads; the newest: {errors[0]}")
 
 
-def resume(cfg, policy, trainer, sync, data, metrics, critic=None) -> int:
-    """The first rollout to run: after the latest loadable checkpoint of --load (model, optimizer,
-    data position and engine weights restored, later metrics dropped), else 0 (old metrics moved
-    aside)."""
+def resume(cfg, policy, trainer, sync, data, metrics, critic=None) -> tuple[int, dict[str, Any]]:
+    """The first rollout to run and the checkpoint's state (the loop restores what its modes
+    carry: a rollout running ahead, partial groups, the online draft): after the latest loadable
+    checkpoint of --load (model, optimizer, data position and engine weights restored, later
+    metrics dropped), else (0, {}) (old metrics moved aside)."""
     clear_stale_of(cfg)
     if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, {"model": policy})) is not None:
         ckpt, state = loaded
@@ -160,6 +161,6 @@ def resume(cfg, policy, trainer, sync, data, metrics, critic=None) -> int:
         sync.push(state["rollout_id"] + 1)  # the engines take the restored weights
         metrics.truncate_after(state["rollout_id"])
         log.info("resumed from %s at rollout %d", ckpt, state["rollout_id"] + 1)
-        return state["rollout_id"] + 1
+        return state["rollout_id"] + 1, state
     metrics.archive_previous()
-    return 0
+    return 0, {}
