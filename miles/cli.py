@@ -325,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train LoRA adapters of this rank (0: every weight)",
     )
     sft.add_argument(
-        "--lora-alpha", type=number(float, 0, low_open=True), help="adapter scale alpha / r (2 x rank)"
+        "--lora-alpha",
+        type=number(float, 0, low_open=True),
+        help="adapter scale alpha / r (default: twice the rank)",
     )
     sft.add_argument(
         "--lora-target-modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",

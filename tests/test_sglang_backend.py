@@ -231,6 +231,10 @@ def test_lora_adapters_reach_the_servers_by_disk_and_by_group(servers, tmp_path)
     policy, tokenizer = registry.load("tiny")
     add_adapters(policy, LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj")), seed=0)
     gen = torch.Generator().manual_seed(1)
+    base = SGLangRollout(servers, tokenizer, policy.config, tmp_path / "base")
+    base.update_weights(
+        hf_state_dict(policy).items(), version=10
+    )  # whole weights: what earlier tests sent goes
     for transport, version in (("disk", 11), ("distributed", 12)):
         with torch.no_grad():
             for m in adapted(policy).values():

@@ -895,7 +895,7 @@ class LoraSection:
         bounds="[0, inf)",
     )
     lora_alpha: float | None = option(
-        None, "adapters scale by alpha / r (default: alpha = 2 x rank)", bounds="(0, inf)"
+        None, "adapters scale by alpha / r (default: alpha = twice the rank)", bounds="(0, inf)"
     )
     lora_dropout: float = option(0.0, "dropout on the adapters' input while training", bounds="[0, 1)")
     lora_target_modules: str = option(

@@ -22,7 +22,8 @@ GROUP_NAME = "weight_update_group"  # SGLang's default
 def init_custom_process_group(
     backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 600.0
 ):
-    """A process group of `world_size` members meeting at `init_method` (blocks until all join)."""
+    """A process group of `world_size` members meeting at `init_method` (blocks until all join);
+    a group of the same name this process had is left first."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -31,6 +32,11 @@ def init_custom_process_group(
         rendezvous,
     )
 
+    for old, name in list(
+        _world.pg_names.items()
+    ):  # formed again (a trainer restarted): the new one replaces it
+        if name == group_name:
+            dist.destroy_process_group(old)
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
