@@ -161,18 +161,22 @@ def test_lora_run_trains_adapters_only_and_resumes_exactly(tmp_path):
         "--kl-loss-coef",
         "0.01",
     ]
-    straight = tmp_path / "straight"
+    import shutil
+
+    straight, ckpt = tmp_path / "straight", tmp_path / "ckpt"
     # zero-copy here, buckets in the resumed run: both transports serve the same adapter
-    train(
-        load_config(
-            small_run_args(straight, 3)
-            + flags
-            + ["--save-hf", str(tmp_path / "adapter"), "--use-zero-copy-sync"]
-        )
-    )
-    first = tmp_path / "first"
-    ckpt = tmp_path / "ckpt"
-    train(load_config(small_run_args(first, 2) + flags + ["--save", str(ckpt), "--save-interval", "1"]))
+    extra = [
+        "--save-hf",
+        str(tmp_path / "adapter"),
+        "--use-zero-copy-sync",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "1",
+    ]
+    train(load_config(small_run_args(straight, 3) + flags + extra))
+    shutil.rmtree(ckpt / "iter_0000002")  # as if stopped after rollout 1
+    (ckpt / "latest").write_text("1")
     resumed = tmp_path / "resumed"
     merged_dir = tmp_path / "merged"
     train(

@@ -294,7 +294,7 @@ def test_resume_continues_each_mode_as_if_never_stopped(tmp_path, mode):
     draft's weights, optimizer and pending rollouts."""
     import shutil
 
-    n = 4
+    n = 3
     train(
         load_config(
             small_run_args(tmp_path / "ref", n)
