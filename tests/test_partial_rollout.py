@@ -66,10 +66,16 @@ def test_partial_rollout_trains_each_sample_once_with_its_token_versions(tmp_pat
 
 
 def test_partial_rollout_over_two_ray_engines(ray_cluster, tmp_path, monkeypatch):
-    """The same on two engine actors: the driver polls them and stops both once enough groups are done.
-    4x in flight: the driver polls every few ms, and with 2x both engines could finish everything
-    between two polls on a busy machine, leaving nothing to carry."""
-    check_partial_run(tmp_path, monkeypatch, ["--rollout-num-gpus", "2", "--over-sampling-batch-size", "16"])
+    """The same on two engine actors, run in lock-step by the driver, which stops both once enough
+    groups are done: two runs cut every rollout at the same place, so they are the same run."""
+    from miles.runtime.metrics import read_metrics
+    from tests.conftest import comparable
+
+    flags = ["--rollout-num-gpus", "2", "--over-sampling-batch-size", "16"]
+    check_partial_run(tmp_path / "a", monkeypatch, flags)
+    check_partial_run(tmp_path / "b", monkeypatch, flags)
+    first, second = comparable(read_metrics(tmp_path / "a")), comparable(read_metrics(tmp_path / "b"))
+    assert first == second
 
 
 def test_continuation_seeds_are_the_same_in_every_process():

@@ -8,8 +8,8 @@ under the new weights: its prompt is everything it has so far. The pieces are jo
 response token records the weight version that produced it (`Sample.token_versions`). The older
 part is off-policy; --use-tis corrects it, and --mask-offpolicy-in-partial-rollout instead leaves
 it out of the loss. Complete groups beyond what a step trains are carried whole, so every sample is
-trained exactly once. On Ray engines the driver polls each engine for finished samples and stops
-them all (`RolloutManager.generate_until`). Checkpoints keep the carried groups, so a resumed run
+trained exactly once. On Ray engines the driver advances the engines in lock-step and stops them
+all at a step boundary (`RolloutManager.generate_until`), so the cut does not depend on timing. Checkpoints keep the carried groups, so a resumed run
 continues them as the uninterrupted run would.
 """
 

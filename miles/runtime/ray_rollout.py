@@ -27,6 +27,9 @@ from miles.sync.object_store import from_object_store, put_buckets
 from miles.sync.transports import SyncStats
 
 log = logging.getLogger("miles.ray")
+# partial rollout on several engines: decoding steps each engine runs between two checks of the
+# driver (more: fewer round trips; fewer: a cut closer to the moment enough groups are done)
+LOCKSTEP_STEPS = 4
 
 
 def split_by_prompt(requests: Sequence[Request], n: int) -> list[list[int]]:
@@ -110,32 +113,25 @@ class EngineActor:
         return self.engine.generate(requests)
 
     def start(self, requests: list[Request]) -> None:
-        """Partial rollout: run `requests` on a thread of this actor; `poll` and `stop` follow them."""
-        import threading
+        """Partial rollout: take `requests`; `advance` runs them in lock-step with the other engines."""
+        for r in requests:
+            self.engine.add_request(r)
 
-        self._finished, self._taken = [], 0
-
-        def run() -> None:
-            for r in requests:
-                self.engine.add_request(r)
-            while self.engine.has_work():
-                self._finished += self.engine.step()
-
-        self._thread = threading.Thread(target=run, name="miles-partial-rollout", daemon=True)
-        self._thread.start()
-
-    def poll(self) -> tuple[list[Sample], bool]:
-        """The samples finished since the last poll, and whether every request has ended."""
-        done = not self._thread.is_alive()
-        new = self._finished[self._taken :]
-        self._taken += len(new)
-        return new, done
+    def advance(self, steps: int) -> tuple[list[Sample], bool]:
+        """Up to `steps` engine steps: the samples they finished, and whether every request has
+        ended. The driver stops all engines between two such calls, so where a rollout is cut
+        depends on step counts, never on timing."""
+        finished: list[Sample] = []
+        for _ in range(steps):
+            if not self.engine.has_work():
+                break
+            finished += self.engine.step()
+        return finished, not self.engine.has_work()
 
     def stop(self) -> list[Sample]:
-        """Abort what still runs (tokens so far kept); the samples not polled yet."""
-        self.engine.abort_all()  # touches only these requests, even if they all ended before it is seen
-        self._thread.join()
-        return self.poll()[0]
+        """Abort what still runs (tokens so far kept) and return it."""
+        self.engine.abort_all()
+        return self.engine.step() if self.engine.has_work() else []
 
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
         with self.engine.paused():  # all buckets land between the same two decoding steps
@@ -438,7 +434,9 @@ class RolloutManager:
 
     def generate_until(self, requests: Sequence[Request], enough) -> tuple[list[Sample], list[Sample]]:
         """Partial rollout over the engines: run `requests` until `enough(finished so far)` holds,
-        polling the engines, then abort the rest: (finished, aborted with their tokens so far).
+        the engines in lock-step (`LOCKSTEP_STEPS` decoding steps each between two checks), then
+        abort the rest: (finished, aborted with their tokens so far). The cut is the same in
+        every run, however busy the machine.
         An engine that dies here stops the run (resume from the last checkpoint); whole rollouts
         (`generate`) restart it instead."""
         chunks = split_by_prompt(requests, len(self.engines))
@@ -446,16 +444,15 @@ class RolloutManager:
         finished: list[Sample] = []
         try:
             ray.get([actor.start.remote(chunk) for actor, chunk in work])
-            while True:
-                polls = ray.get([actor.poll.remote() for actor, _ in work])
-                finished += [s for new, _ in polls for s in new]
-                if all(done for _, done in polls):
+            while True:  # every engine advances the same number of steps, results read in engine order
+                results = ray.get([actor.advance.remote(LOCKSTEP_STEPS) for actor, _ in work])
+                finished += [s for new, _ in results for s in new]
+                if all(done for _, done in results):
                     return finished, []
                 if enough(finished):
                     rest = [s for part in ray.get([actor.stop.remote() for actor, _ in work]) for s in part]
                     finished += [s for s in rest if s.status != Status.ABORTED]
                     return finished, [s for s in rest if s.status == Status.ABORTED]
-                time.sleep(0.005)
         except (RayActorError, RayTaskError) as e:
             raise MilesError(
                 f"a rollout engine died during a partial rollout ({type(e).__name__}); the run stops here. Resume "
