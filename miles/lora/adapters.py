@@ -96,6 +96,21 @@ def add_low_rank(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Ten
     return out + F.linear(F.linear(x.to(a.dtype), a), b).to(out.dtype) * module.lora_scale
 
 
+def adapter_shape(layer: nn.Module, which: str, rank: int) -> tuple[int, int]:
+    """The shape `lora_A` (r, in) or `lora_B` (out, r) of `layer` must have."""
+    return (rank, layer.in_features) if which == "lora_A" else (layer.out_features, rank)
+
+
+def attach(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float, dropout: float = 0.0) -> None:
+    """Give `layer` the adapter (a, b) and the hook that adds it (once); a trainer passes
+    parameters, an engine serving beside a quantized base plain tensors."""
+    first = not hasattr(layer, "lora_A")
+    layer.lora_A, layer.lora_B = a, b
+    layer.lora_scale, layer.lora_dropout, layer.lora_enabled = scale, dropout, True
+    if first:
+        layer.register_forward_hook(add_low_rank)
+
+
 def add_adapters(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
     """Give each target projection a fresh adapter (A Kaiming-uniform from `seed`, B zero) and
     freeze everything else; returns the adapted module names."""
@@ -109,10 +124,14 @@ def add_adapters(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
         a = torch.empty(spec.rank, m.in_features)
         bound = 1 / math.sqrt(m.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
         a.uniform_(-bound, bound, generator=gen)
-        m.lora_A = nn.Parameter(a.to(weight.device, dtype))
-        m.lora_B = nn.Parameter(torch.zeros(m.out_features, spec.rank, device=weight.device, dtype=dtype))
-        m.lora_scale, m.lora_dropout, m.lora_enabled = scale, spec.dropout, True
-        m.register_forward_hook(add_low_rank)
+        b = torch.zeros(m.out_features, spec.rank)
+        attach(
+            m,
+            nn.Parameter(a.to(weight.device, dtype)),
+            nn.Parameter(b.to(weight.device, dtype)),
+            scale,
+            spec.dropout,
+        )
     model.lora_spec = spec
     model.lora_scale_tensor = torch.tensor(scale)  # travels with every sync
     return list(chosen)
@@ -130,11 +149,6 @@ def adapted(model: nn.Module) -> dict[str, nn.Module]:
 
 def is_adapter_weight(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in SUFFIXES
-
-
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{"<module>.lora_A": A, "<module>.lora_B": B} (the parameters themselves)."""
-    return {n: p for n, p in model.state_dict(keep_vars=True).items() if is_adapter_weight(n)}
 
 
 def merged_weight(

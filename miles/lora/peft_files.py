@@ -15,7 +15,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from miles.errors import CheckpointError
-from miles.lora.adapters import LoraSpec, adapted, add_adapters, projections, spec_of
+from miles.lora.adapters import SUFFIXES, LoraSpec, adapted, adapter_shape, add_adapters, projections, spec_of
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -26,12 +26,12 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / CONFIG_FILE).exists()
 
 
-def save_adapter(model: nn.Module, path: str | os.PathLike, base_model: str = "") -> Path:
-    """Write the model's adapters as a PEFT adapter directory (into an existing directory)."""
+def write_adapter(
+    path: str | os.PathLike, named: dict[str, torch.Tensor], spec: LoraSpec, base_model: str = ""
+) -> Path:
+    """A PEFT adapter directory (into an existing or new directory) from {"<module>.lora_A"/"lora_B": tensor}."""
     from peft import LoraConfig
 
-    spec = spec_of(model)
-    assert spec is not None, "save_adapter needs a model with adapters"
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     targets = "all-linear" if "all-linear" in spec.targets else list(spec.targets)
@@ -39,16 +39,21 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, base_model: str = ""
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
         use_rslora=spec.rslora, task_type="CAUSAL_LM", base_model_name_or_path=base_model,
     ).save_pretrained(str(path))  # fmt: skip
-    tensors = {}
-    for name, m in adapted(model).items():
-        tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous().cpu()
-        tensors[f"{PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous().cpu()
+    tensors = {f"{PREFIX}{n}.weight": t.detach().float().contiguous().cpu() for n, t in named.items()}
     save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
     return path
 
 
-def read_adapter(path: str | os.PathLike) -> tuple[LoraSpec, dict[str, torch.Tensor], str]:
-    """(spec, {"<module>.lora_A"/"lora_B": tensor}, base model name) of a PEFT adapter directory;
+def save_adapter(model: nn.Module, path: str | os.PathLike, base_model: str = "") -> Path:
+    """Write the model's adapters as a PEFT adapter directory."""
+    spec = spec_of(model)
+    assert spec is not None, "save_adapter needs a model with adapters"
+    named = {f"{name}.{which}": getattr(m, which) for name, m in adapted(model).items() for which in SUFFIXES}
+    return write_adapter(path, named, spec, base_model)
+
+
+def read_adapter(path: str | os.PathLike) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """(spec, {"<module>.lora_A"/"lora_B": tensor}) of a PEFT adapter directory;
     features miles does not run (DoRA, per-layer ranks, extra trained modules) are refused."""
     from peft import LoraConfig
 
@@ -112,13 +117,13 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoraSpec, dict[str, torch.Ten
         rank=int(config.r), alpha=float(config.lora_alpha), dropout=float(config.lora_dropout or 0.0),
         targets=modules, rslora=bool(config.use_rslora),
     )  # fmt: skip
-    return spec, named, str(raw.get("base_model_name_or_path") or "")
+    return spec, named
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, seed: int = 0) -> LoraSpec:
     """Load a PEFT adapter into `model` (adding its adapters first if it has none); every tensor's
     module and shape is checked before anything is copied."""
-    spec, named, _ = read_adapter(path)
+    spec, named = read_adapter(path)
     weights_file = Path(path) / WEIGHTS_FILE
     layers = projections(model)
     for name, t in named.items():
@@ -129,7 +134,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, seed: int = 0) -> Lo
                 f"{weights_file}: adapts {module_name!r}, which this model does not have "
                 "(an adapter trained on another base model?)"
             )
-        want = (spec.rank, layer.in_features) if which == "lora_A" else (layer.out_features, spec.rank)
+        want = adapter_shape(layer, which, spec.rank)
         if tuple(t.shape) != want:
             raise CheckpointError(
                 f"{weights_file}: {name} has shape {tuple(t.shape)}, this model's layer needs {want} "
@@ -171,28 +176,18 @@ def export_lora(
 def save_sync_adapter(named: dict[str, torch.Tensor], path: str | os.PathLike) -> Path:
     """A LoRA sync payload (`miles.sync.payload`) as a PEFT adapter directory (the SGLang
     backend's disk transport): rank from A's rows, alpha = scale x rank."""
-    from peft import LoraConfig
-
     from miles.lora.serving import SCALE
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     scale = float(named[SCALE])
-    modules = sorted({n.rsplit(".", 1)[0] for n in named if n != SCALE})
-    rank = int(named[f"{modules[0]}.lora_A"].shape[0])
-    LoraConfig(
-        r=rank, lora_alpha=scale * rank, target_modules=modules, task_type="CAUSAL_LM"
-    ).save_pretrained(str(path))
-    tensors = {
-        f"{PREFIX}{n}.weight": t.detach().float().contiguous().cpu() for n, t in named.items() if n != SCALE
-    }
-    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
-    return path
+    tensors = {n: t for n, t in named.items() if n != SCALE}
+    modules = tuple(sorted({n.rsplit(".", 1)[0] for n in tensors}))
+    rank = int(tensors[f"{modules[0]}.lora_A"].shape[0])
+    return write_adapter(path, tensors, LoraSpec(rank, scale * rank, targets=modules))
 
 
 def sync_payload_of(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
     """A PEFT adapter directory as the named tensors an engine merges (A, B, `lora.scale`)."""
     from miles.lora.serving import SCALE
 
-    spec, named, _ = read_adapter(path)
+    spec, named = read_adapter(path)
     return [*named.items(), (SCALE, torch.tensor(float(torch.tensor(spec.scale))))]

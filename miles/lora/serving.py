@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from miles.errors import MilesError
-from miles.lora.adapters import add_low_rank, is_adapter_weight, merged_weight
+from miles.lora.adapters import adapter_shape, attach, is_adapter_weight, merged_weight
 
 SCALE = "lora.scale"
 
@@ -40,17 +40,6 @@ def served_adapter(model: nn.Module) -> ServedAdapter:
     return state
 
 
-def attach_unmerged(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-    """Serve the adapter through the trainer's own hook: requantizing W + BA would add a rounding
-    the trainer (quantized base + full-precision adapter, QLoRA) never sees."""
-    first = not hasattr(layer, "lora_A")
-    device = next(iter([*layer.parameters(), *layer.buffers()])).device  # an engine's codes are buffers
-    layer.lora_A, layer.lora_B = a.to(device, torch.float32), b.to(device, torch.float32)
-    layer.lora_scale, layer.lora_dropout, layer.lora_enabled = scale, 0.0, True
-    if first:
-        layer.register_forward_hook(add_low_rank)
-
-
 def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Take adapter tensors (any subset of a sync) and re-merge every layer they complete."""
     named = list(named)
@@ -63,8 +52,8 @@ def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tens
             layer = modules.get(module_name)
             if layer is None or not hasattr(layer, "in_features"):
                 raise MilesError(f"LoRA update: {name!r} names no projection of this model")
-            rank = t.shape[0] if name.endswith("lora_A") else t.shape[1]
-            want = (rank, layer.in_features) if name.endswith("lora_A") else (layer.out_features, rank)
+            which = name.rsplit(".", 1)[1]
+            want = adapter_shape(layer, which, t.shape[0] if which == "lora_A" else t.shape[-1])
             if t.dim() != 2 or tuple(t.shape) != want:
                 raise MilesError(f"LoRA update: {name!r} has shape {tuple(t.shape)}, the layer needs {want}")
             touched.add(module_name)
@@ -81,8 +70,11 @@ def apply_adapter_update(model: nn.Module, named: Iterable[tuple[str, torch.Tens
             if a is None or b is None:
                 continue
             layer = modules[module_name]
-            if hasattr(layer, "load_weight"):  # FP8/INT4: the adapter beside the quantized base, as trained
-                attach_unmerged(layer, a, b, scale)
+            if hasattr(layer, "load_weight"):
+                # FP8/INT4: the adapter beside the quantized base through the trainer's own hook;
+                # requantizing W + BA would add a rounding the trainer (QLoRA) never sees
+                device = next(iter([*layer.parameters(), *layer.buffers()])).device  # codes are buffers
+                attach(layer, a.to(device, torch.float32), b.to(device, torch.float32), scale)
                 continue
             base = state.base.get(module_name)
             if base is None:

@@ -9,36 +9,31 @@ import torch.nn as nn
 
 from miles.errors import ConfigError
 from miles.lora.adapters import LoraSpec, add_adapters, parse_targets, trainable_share
-from miles.lora.peft_files import load_adapter, read_adapter
+from miles.lora.peft_files import load_adapter
 from miles.quant.convert import quantize_train_model
 from miles.train.expert_offload import offload_experts
 
 log = logging.getLogger("miles")
 
 
-def lora_spec(cfg) -> LoraSpec:
-    """The adapters --lora-* asks for (with --lora-adapter-path: the file's, checked against
-    an explicit --lora-rank)."""
+def add_lora(model: nn.Module, cfg) -> None:
+    """--lora-rank / --lora-adapter-path: adapters on the target layers, the base frozen. With an
+    adapter file its rank, alpha and layers are used; an explicit different --lora-rank is refused."""
     lc = cfg.lora
     if lc.lora_adapter_path is not None:
-        spec, _, _ = read_adapter(lc.lora_adapter_path)
+        spec = load_adapter(model, lc.lora_adapter_path, seed=cfg.train.seed)
         if lc.lora_rank and lc.lora_rank != spec.rank:
             raise ConfigError(
                 f"--lora-rank {lc.lora_rank} differs from the rank {spec.rank} of --lora-adapter-path "
                 f"{lc.lora_adapter_path}; drop --lora-rank (the adapter's own is used)"
             )
-        return spec
-    alpha = lc.lora_alpha if lc.lora_alpha is not None else 2.0 * lc.lora_rank
-    return LoraSpec(lc.lora_rank, alpha, lc.lora_dropout, parse_targets(lc.lora_target_modules))
-
-
-def add_lora(model: nn.Module, cfg) -> None:
-    """--lora-rank / --lora-adapter-path: adapters on the target layers, the base frozen."""
-    spec = lora_spec(cfg)
-    if cfg.lora.lora_adapter_path is not None:
-        load_adapter(model, cfg.lora.lora_adapter_path, seed=cfg.train.seed)
     else:
-        add_adapters(model, spec, seed=cfg.train.seed)
+        alpha = lc.lora_alpha if lc.lora_alpha is not None else 2.0 * lc.lora_rank
+        add_adapters(
+            model,
+            LoraSpec(lc.lora_rank, alpha, lc.lora_dropout, parse_targets(lc.lora_target_modules)),
+            cfg.train.seed,
+        )
     trainable, total = trainable_share(model)
     log.info("LoRA: %d trainable parameters of %d (%.2f%%)", trainable, total, 100 * trainable / total)
 
