@@ -120,6 +120,11 @@ def _convert(info: FieldInfo, value: Any, where: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError
             return value
+        if info.kind is list:  # a repeatable flag, or a YAML list (one string: a list of one)
+            items = value if isinstance(value, list) else [value]
+            if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in items):
+                raise ValueError
+            return [str(v) for v in items]
         return str(value)
     except (TypeError, ValueError):
         kind = getattr(info.kind, "__name__", str(info.kind))
@@ -185,6 +190,8 @@ def add_field_flag(
         kwargs["action"] = argparse.BooleanOptionalAction
     elif info.kind is dict:
         kwargs["metavar"] = "JSON"
+    elif info.kind is list:
+        kwargs["action"], kwargs["metavar"] = "append", info.name.upper()
     else:
         kwargs["metavar"] = info.name.upper()
         if info.meta["choices"]:
@@ -652,7 +659,24 @@ def validate(given: RunConfig) -> RunConfig:
     validate_layout(cfg)
     validate_true_on_policy(cfg)
     validate_lora(cfg)
+    validate_agents(cfg)
     return cfg
+
+
+def validate_agents(cfg: RunConfig) -> None:
+    """Multi-turn rollouts run whole conversations per step; partial rollout cuts and carries
+    single responses, and co-evolution plays its own episodes."""
+    mode = cfg.agent.mode_flag
+    if mode is None:
+        return
+    for flag, on in (
+        ("--partial-rollout", cfg.rollout.partial_rollout),
+        ("--env-path", cfg.co_evolution.env_path),
+    ):
+        if on:
+            raise ConfigError(
+                f"{mode} with {flag}: multi-turn agent rollouts do not combine with it yet; drop one"
+            )
 
 
 def validate_lora(cfg: RunConfig) -> None:

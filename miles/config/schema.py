@@ -944,6 +944,79 @@ class LoraSection:
 
 
 @dataclass
+class AgentSection:
+    """Multi-turn agent rollouts: tools the policy calls, a custom generate function, or a black-box
+    agent over an OpenAI-compatible API (one of the three). See docs/agents.md."""
+
+    tool_path: list = option(
+        [],
+        "a tool the policy may call: module:function (schema from its type hints and docstring, or its `schema` "
+        "attribute) or a built-in (calculator, python); repeat the flag for more tools",
+    )
+    tool_call_parser: str = option(
+        "hermes",
+        "how tool calls are read from the policy's text: hermes (<tool_call>{json}</tool_call>, the format of HF "
+        "chat templates with tools) or module:function returning ToolCall/CallError lists",
+    )
+    max_turns: int = option(
+        4, "policy turns per conversation (the last may not call a tool)", bounds="[1, inf)"
+    )
+    max_tool_calls: int = option(
+        8, "tool calls per conversation; calls past it get an error result", bounds="[0, inf)"
+    )
+    max_turn_tokens: int | None = option(
+        None,
+        "tokens one policy turn may generate (default: what is left of --rollout-max-response-len, which "
+        "covers the whole conversation after the prompt, tool results included)",
+        bounds="[1, inf)",
+    )
+    tool_timeout: float = option(
+        10.0, "seconds one tool call may take before its worker is killed", bounds="(0, inf)"
+    )
+    tool_cpu_seconds: float = option(
+        10.0, "CPU seconds one tool call may use (0: no limit)", bounds="[0, inf)"
+    )
+    tool_memory_mb: int = option(
+        1024,
+        "memory one tool call may allocate beyond its worker's own, in MiB (0: no limit)",
+        bounds="[0, inf)",
+    )
+    tool_file_mb: int = option(16, "largest file a tool may write, in MiB (0: no limit)", bounds="[0, inf)")
+    tool_num_workers: int = option(4, "sandboxed processes running tool calls in parallel", bounds="[1, inf)")
+    custom_generate_function_path: str | None = option(
+        None,
+        "module:function(sample, client, params) -> Sample generating one sample its own way (client.generate "
+        "(ids, params) returns the engine's tokens and log-probs); the sample's tokens, loss_mask and "
+        "rollout_log_probs are trained on as returned",
+    )
+    agent_path: str | None = option(
+        None,
+        "module:function(base_url, sample) running a black-box agent with the openai client pointed at base_url; "
+        "every completion it asks for is recorded as tokens and trained on. It returns a reward (number), the "
+        "final answer (text) or None (the last assistant message is scored)",
+    )
+
+    @property
+    def mode_flag(self) -> str | None:
+        """The flag that turns the multi-turn mode on (None: single-turn rollouts)."""
+        given = [
+            flag
+            for flag, on in (
+                ("--tool-path", bool(self.tool_path)),
+                ("--custom-generate-function-path", self.custom_generate_function_path),
+                ("--agent-path", self.agent_path),
+            )  # fmt: skip
+            if on
+        ]
+        if len(given) > 1:
+            raise ConfigError(f"{given[0]} and {given[1]} are two rollout modes; give one")
+        return given[0] if given else None
+
+    def check(self) -> None:
+        self.mode_flag  # noqa: B018 - raises on two modes at once
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -960,3 +1033,4 @@ class RunConfig:
     sglang: SGLangSection = field(default_factory=SGLangSection)
     debug: DebugSection = field(default_factory=DebugSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    agent: AgentSection = field(default_factory=AgentSection)

@@ -97,6 +97,8 @@ class RewardRunner:
         samples = [s for g in groups for s in g]
         failed = 0
         for s, raw in zip(samples, self._rewards(groups)):
+            if "agent_reward" in s.metadata:  # a black-box agent scored its own episode
+                raw = s.metadata["agent_reward"]
             reward = as_reward(raw)
             if isinstance(reward, RewardFailure):
                 s.reward, s.status = 0.0, Status.FAILED

@@ -1,14 +1,20 @@
 """One rollout: prompts -> groups of samples -> engine -> rewards -> group filters; and the
-held-out evaluation, the same path with greedy decoding."""
+held-out evaluation, the same path with greedy decoding.
+
+`mode` (`miles.agents.modes.RolloutMode`, None: one engine call per sample) turns each request
+into its samples: a multi-turn mode runs whole conversations, and a black-box agent that forks
+yields one sample per branch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from miles.agents.trajectory import AGENT_ERROR, agent_metrics
 from miles.algo.filters import apply_filter
 from miles.config.schema import RunConfig
 from miles.data.prompts import PromptItem
 from miles.data.sample import Sample
+from miles.errors import MilesError
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardRunner
 from miles.rollout.engine import Request
@@ -24,11 +30,18 @@ def group_requests(
     n: int,
     temperature: float,
     seed_base: int,
+    mode=None,
 ) -> list[Request]:
     """The n requests of prompt `item`, group `g` of its rollout; each seed depends on (seed,
     rollout, group, index) alone, so a resumed run draws exactly what the uninterrupted one would."""
     rollout_cfg = cfg.rollout
-    ids = encode_prompt(engine.tokenizer, item.prompt, cfg.data.apply_chat_template)
+    chat = cfg.data.apply_chat_template
+    tokenizer = engine.tokenizer
+    ids = (
+        encode_prompt(tokenizer, item.prompt, chat)
+        if mode is None
+        else mode.prompt_ids(tokenizer, item.prompt, chat)
+    )
     requests = []
     for k in range(n):
         sample = Sample(prompt=item.prompt, label=item.label, metadata=dict(item.metadata))
@@ -48,16 +61,19 @@ def generate_groups(
     n: int,
     temperature: float,
     seed_base: int,
+    mode=None,
 ) -> list[list[Sample]]:
-    """n samples per prompt, in prompt order."""
+    """n samples per prompt (more where an agent forked), in prompt order."""
     groups = [
-        group_requests(engine, item, cfg, rollout_id, g, n, temperature, seed_base)
+        group_requests(engine, item, cfg, rollout_id, g, n, temperature, seed_base, mode)
         for g, item in enumerate(items)
     ]
-    samples = iter(
-        engine.generate([r for g in groups for r in g])
-    )  # the engine's own objects, or copies from a remote one
-    return [[next(samples) for _ in group] for group in groups]
+    requests = [r for g in groups for r in g]
+    if mode is None:  # the engine's own objects, or copies from a remote one
+        each = iter([s] for s in engine.generate(requests))
+    else:
+        each = iter(mode.generate_each(engine, requests))
+    return [[s for _ in group for s in next(each)] for group in groups]
 
 
 def score_and_filter(
@@ -68,6 +84,13 @@ def score_and_filter(
     keep_group: Callable | None,
 ) -> tuple[list[list[Sample]], dict[str, float]]:
     """Rewards, the rollout's metrics, and the --dynamic-sampling-filter-path filter."""
+    errors = sum(s.metadata.get("finish") == AGENT_ERROR for g in groups for s in g)
+    if errors:  # a generation that raised leaves its group without a usable sample
+        groups = [g for g in groups if all(s.metadata.get("finish") != AGENT_ERROR for s in g)]
+        if not groups:
+            raise MilesError(
+                f"every sample of rollout {rollout_id} failed to generate ({errors}); the first error is logged above"
+            )
     failed = rewards.score_groups(groups)
     samples = [s for g in groups for s in g]
     rewards.check_rollout(failed, len(samples), rollout_id)
@@ -77,7 +100,10 @@ def score_and_filter(
         "response_len_mean": sum(s.response_length for s in samples) / len(samples),
         "truncated_frac": sum(s.status.value == "truncated" for s in samples) / len(samples),
         "reward_failed": failed,
+        **agent_metrics(samples),
     }
+    if errors:
+        metrics["agent_errors"] = errors
     if keep_group is not None:
         groups, metrics["groups_dropped"] = apply_filter(groups, keep_group)
     # over-sampling draws extra prompts; the step trains on at most rollout_batch_size of them
@@ -91,6 +117,7 @@ def collect_groups(
     rewards: RewardRunner,
     rollout_id: int,
     keep_group: Callable | None,
+    mode=None,
 ) -> tuple[list[list[Sample]], dict[str, float]]:
     rollout_cfg = cfg.rollout
     groups = generate_groups(
@@ -101,15 +128,19 @@ def collect_groups(
         rollout_cfg.n_samples_per_prompt,
         rollout_cfg.rollout_temperature,
         rollout_cfg.rollout_seed,
+        mode,
     )
     return score_and_filter(groups, cfg, rewards, rollout_id, keep_group)
 
 
-def evaluate(engine, items: list[PromptItem], cfg: RunConfig, rewards: RewardRunner) -> dict[str, float]:
-    """Greedy answers to the held-out prompts: accuracy (reward 1) and mean reward."""
-    groups = generate_groups(engine, items, cfg, rollout_id=-1, n=1, temperature=0.0, seed_base=0)
+def evaluate(
+    engine, items: list[PromptItem], cfg: RunConfig, rewards: RewardRunner, mode=None
+) -> dict[str, float]:
+    """Greedy answers to the held-out prompts: accuracy (reward 1) and mean reward (the last
+    branch of a forking agent counts)."""
+    groups = generate_groups(engine, items, cfg, rollout_id=-1, n=1, temperature=0.0, seed_base=0, mode=mode)
     rewards.score_groups(groups)
-    samples = [g[0] for g in groups]
+    samples = [g[-1] for g in groups]
     return {
         "eval_accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
         "eval_reward": sum(s.reward for s in samples) / len(samples),

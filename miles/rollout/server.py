@@ -3,7 +3,9 @@
 Endpoints: POST /generate, GET /health, POST /flush_cache, GET /get_model_info,
 GET /get_server_info, POST /update_weights_from_disk, POST /get_weights_by_name,
 POST /init_weights_update_group, POST /update_weights_from_distributed (what
-`--rollout-backend sglang` uses, so the whole SGLang path runs against `miles serve` on CPU). One engine thread runs continuous batching over every request
+`--rollout-backend sglang` uses, so the whole SGLang path runs against `miles serve` on CPU), and
+the OpenAI API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (for agents
+written against the `openai` client; responses carry the token ids). One engine thread runs continuous batching over every request
 in flight, so concurrent HTTP clients (agentic, multi-turn rollouts) share batches. A malformed
 request gets a 4xx with a JSON {"error": ...}; it never reaches the engine.
 """
@@ -144,6 +146,70 @@ def sample_response(sample: Sample, engine: Engine, logprob: bool, routed: bool)
     return {"text": sample.response, "output_ids": sample.response_tokens, "meta_info": meta}
 
 
+def json_handler(get, post):
+    """A JSON-over-HTTP request handler: `get(path)` and `post(path, body)` return (status, payload).
+    A malformed request gets a 4xx with {"error": ...}; a bug gets a 500 and the server goes on."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet by default
+            pass
+
+        def _send(self, status: int, payload: Any, close: bool = False) -> None:
+            body = json.dumps(payload).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                if close:  # the unread body stays on the socket: end the connection
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the client left; nothing to tell it
+                self.close_connection = True
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except (BrokenPipeError, ConnectionResetError):  # a client that disconnects is not an error
+                pass
+
+        def _body(self) -> Any:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise BadRequest("Content-Length is not a number") from None
+            if length > MAX_BODY_BYTES:
+                raise TooLarge(f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
+            raw = self.rfile.read(length) if length else b""
+            try:
+                return json.loads(raw or b"{}")
+            except ValueError as e:  # not JSON, or not UTF-8
+                raise BadRequest(f"request body is not valid JSON (UTF-8): {e}") from e
+            except RecursionError:
+                raise BadRequest("request body nests too deeply") from None
+
+        def _answer(self, route) -> None:
+            try:
+                self._send(*route())
+            except BadRequest as e:
+                self._send(e.status, {"error": str(e)}, close=isinstance(e, TooLarge))
+            except MilesError as e:
+                self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+            except Exception as e:  # a bug: report it, keep serving
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
+
+        def do_GET(self) -> None:
+            self._answer(lambda: get(self.path))
+
+        def do_POST(self) -> None:
+            self._answer(lambda: post(self.path, self._body()))
+
+    return Handler
+
+
 class Listener(ThreadingHTTPServer):
     """The HTTP server with a listen backlog that holds a burst of clients (the default 5 resets
     connections when dozens arrive at once)."""
@@ -158,6 +224,7 @@ class EngineServer:
         self, engine: Engine, host: str = "127.0.0.1", port: int = 30000, model_path: str = ""
     ) -> None:
         self.engine, self.model_path = engine, model_path
+        self.default_max_tokens = 128  # an OpenAI request without max_tokens
         self.weight_groups: dict[str, Any] = {}  # SGLang-style weight-update groups joined, by name
         self._inbox: queue.Queue[tuple[Request, Future]] = queue.Queue()
         self._futures: dict[int, Future] = {}
@@ -220,102 +287,88 @@ class EngineServer:
                         fut.set_result(sample)
 
     def _handler_class(self):
-        server = self
+        return json_handler(self.get, self.post)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    def get(self, path: str) -> tuple[int, Any]:
+        if path == "/health":
+            return 200, {"status": "ok"}
+        if path == "/get_model_info":
+            cfg = self.engine.model.config
+            return 200, {
+                "model_path": self.model_path,
+                "is_generation": True,
+                "model_type": cfg.model_type,
+                "weight_version": self.engine.weight_version,
+            }
+        if path == "/get_server_info":
+            return 200, self.server_info()
+        if path == "/v1/models":
+            return 200, {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "owned_by": "miles"}],
+            }
+        return 404, {"error": f"no such endpoint: GET {path}"}
 
-            def log_message(self, *args) -> None:  # quiet by default
-                pass
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        if path == "/generate":
+            return 200, self.generate(body)
+        if path == "/flush_cache":
+            ok = self.engine.flush_cache()
+            message = "Cache flushed." if ok else "requests in flight; cache not flushed"
+            return (200 if ok else 400), {"success": ok, "message": message}
+        routes = {
+            "/update_weights_from_disk": self.update_from_disk,
+            "/get_weights_by_name": self.weights_by_name,
+            "/init_weights_update_group": self.init_weights_group,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/v1/chat/completions": self.chat_completions,
+            "/v1/completions": self.completions,
+        }
+        if path not in routes:
+            return 404, {"error": f"no such endpoint: POST {path}"}
+        return 200, routes[path](body)
 
-            def _send(self, status: int, payload: Any, close: bool = False) -> None:
-                body = json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    if close:  # the unread body stays on the socket: end the connection
-                        self.send_header("Connection", "close")
-                        self.close_connection = True
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):  # the client left; nothing to tell it
-                    self.close_connection = True
+    @property
+    def model_name(self) -> str:
+        return self.model_path or "miles"
 
-            def handle(self) -> None:
-                try:
-                    super().handle()
-                except (BrokenPipeError, ConnectionResetError):  # a client that disconnects is not an error
-                    pass
+    def _generate_one(self, ids: list[int], params: SamplingParams) -> Sample:
+        if len(ids) >= self.engine.max_seq_len:
+            raise BadRequest(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.engine.max_seq_len}"
+            )
+        return self.submit(Request(ids, params)).result()
 
-            def _body(self) -> Any:
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    raise BadRequest("Content-Length is not a number") from None
-                if length > MAX_BODY_BYTES:
-                    raise TooLarge(f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    return json.loads(raw or b"{}")
-                except ValueError as e:  # not JSON, or not UTF-8
-                    raise BadRequest(f"request body is not valid JSON (UTF-8): {e}") from e
-                except RecursionError:
-                    raise BadRequest("request body nests too deeply") from None
+    def chat_completions(self, body: Any) -> dict:
+        """OpenAI /v1/chat/completions (no streaming, n=1), with the token ids it used."""
+        from miles.agents import openai_api as api
+        from miles.agents.chat import encode, render
 
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._send(200, {"status": "ok"})
-                elif self.path == "/get_model_info":
-                    cfg = server.engine.model.config
-                    self._send(
-                        200,
-                        {
-                            "model_path": server.model_path,
-                            "is_generation": True,
-                            "model_type": cfg.model_type,
-                            "weight_version": server.engine.weight_version,
-                        },
-                    )
-                elif self.path == "/get_server_info":
-                    self._send(200, server.server_info())
-                else:
-                    self._send(404, {"error": f"no such endpoint: GET {self.path}"})
+        try:
+            messages, tools = api.chat_request(body)
+            params = api.sampling(body, self.default_max_tokens)
+        except api.APIError as e:
+            raise BadRequest(str(e)) from e
+        tokenizer = self.engine.tokenizer
+        ids = encode(tokenizer, render(tokenizer, messages, tools, generation_prompt=True))
+        sample = self._generate_one(ids, params)
+        return api.chat_response(
+            sample, tokenizer, body.get("model") or self.model_name, bool(body.get("logprobs"))
+        )
 
-            def do_POST(self) -> None:
-                try:
-                    body = self._body()
-                    if self.path == "/generate":
-                        self._send(200, server.generate(body))
-                    elif self.path == "/flush_cache":
-                        ok = server.engine.flush_cache()
-                        self._send(
-                            200 if ok else 400,
-                            {
-                                "success": ok,
-                                "message": "Cache flushed."
-                                if ok
-                                else "requests in flight; cache not flushed",
-                            },
-                        )
-                    elif self.path == "/update_weights_from_disk":
-                        self._send(200, server.update_from_disk(body))
-                    elif self.path == "/get_weights_by_name":
-                        self._send(200, server.weights_by_name(body))
-                    elif self.path == "/init_weights_update_group":
-                        self._send(200, server.init_weights_group(body))
-                    elif self.path == "/update_weights_from_distributed":
-                        self._send(200, server.update_from_distributed(body))
-                    else:
-                        self._send(404, {"error": f"no such endpoint: POST {self.path}"})
-                except BadRequest as e:
-                    self._send(e.status, {"error": str(e)}, close=isinstance(e, TooLarge))
-                except MilesError as e:
-                    self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
-                except Exception as e:  # a bug: report it, keep serving
-                    self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
+    def completions(self, body: Any) -> dict:
+        """OpenAI /v1/completions (one prompt: text or token ids), with the token ids it used."""
+        from miles.agents import openai_api as api
 
-        return Handler
+        try:
+            ids = api.completion_request(body, self.engine.tokenizer)
+            params = api.sampling(body, self.default_max_tokens)
+        except api.APIError as e:
+            raise BadRequest(str(e)) from e
+        sample = self._generate_one(ids, params)
+        return api.completion_response(
+            sample, self.engine.tokenizer, body.get("model") or self.model_name, bool(body.get("logprobs"))
+        )
 
     def generate(self, body: Any) -> Any:
         if not isinstance(body, dict):

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from miles.agents.modes import RolloutMode, rollout_mode
 from miles.algo.filters import GroupFilter, nonconstant_reward
 from miles.config import to_dict
 from miles.config.schema import RunConfig
@@ -66,6 +67,7 @@ class Run:
     precision_mode: str = ""  # bf16 | fp8 of the FP8 layers now (see switch_precision)
     critic: Critic | None = None  # --advantage-estimator ppo (a RayCritic on Ray ranks)
     speculation: OnlineDraft | None = None  # --draft-model: spec_* metrics, online draft training
+    mode: RolloutMode | None = None  # multi-turn agent rollouts (--tool-path, --agent-path, ...)
 
 
 def train(cfg: RunConfig) -> Path:
@@ -106,7 +108,12 @@ def train(cfg: RunConfig) -> Path:
         keep = (
             nonconstant_reward if path == "default" else load_function(path, "--dynamic-sampling-filter-path")
         )
+    mode = rollout_mode(cfg) if cfg.agent.mode_flag else None  # tools and agent code imported now
+    if mode is not None and mode.prompt_overhead is not None:  # e.g. the tools' descriptions
+        data.max_prompt_len += mode.prompt_overhead
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
+    if mode is not None and mode.prompt_overhead is None:  # an agent writes its own prompts
+        max_seq_len = context
     check_token_budget(cfg, data.max_prompt_len)
     critic = None
     if cfg.algo.advantage_estimator == "ppo" and not on_ray(cfg):  # from the policy as loaded, before FP8
@@ -135,7 +142,7 @@ def train(cfg: RunConfig) -> Path:
             )
             run = Run(
                 cfg, policy, tokenizer, data, rewards, keep,
-                executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic,
+                executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic, mode=mode,
             )  # fmt: skip
             if cfg.speculative.draft_model:
                 run.speculation = OnlineDraft(
@@ -146,6 +153,8 @@ def train(cfg: RunConfig) -> Path:
             executor.rollout.shutdown()  # Ray: stop the actors, free the placement group
     finally:
         rewards.close()
+        if mode is not None:
+            mode.close()
 
 
 def run_loop(run: Run) -> Path:
@@ -320,7 +329,13 @@ class RolloutFeed:
             )
         else:
             groups, step = collect_groups(
-                run.rollout, run.data.train.take(self.draw), self.cfg, run.rewards, rollout_id, run.keep
+                run.rollout,
+                run.data.train.take(self.draw),
+                self.cfg,
+                run.rewards,
+                rollout_id,
+                run.keep,
+                run.mode,
             )
         if debug.save_debug_rollout_data:
             save_rollout(debug.save_debug_rollout_data, rollout_id, groups, step)
@@ -363,7 +378,7 @@ class RolloutFeed:
         """Held-out accuracy; with a rollout running ahead, after it, on its thread (the engine
         serves one caller at a time)."""
         run = self.run
-        args = (run.rollout, run.data.eval_items, self.cfg, run.rewards)
+        args = (run.rollout, run.data.eval_items, self.cfg, run.rewards, run.mode)
         out = evaluate(*args) if self.pool is None else self.pool.submit(evaluate, *args).result()
         if run.speculation is not None:  # the spec_* metrics of a step count its own rollout only
             run.rollout.take_spec_stats()
