@@ -143,7 +143,7 @@ class BlackBoxAgent(SingleTurn):
         sessions: list[str] = [""] * len(requests)
 
         def job(i: int, client: EngineClient) -> Any:
-            sid, url = self.gateway.open(client)
+            sid, url = self.gateway.open(client, requests[i].params)
             sessions[i] = sid
             return self.fn(url, copy.deepcopy(requests[i].sample or Sample()))
 

@@ -191,15 +191,24 @@ def json_handler(get, post):
             except RecursionError:
                 raise BadRequest("request body nests too deeply") from None
 
+        def _error(self, message: str, kind: str) -> dict:
+            if "/v1/" in self.path:  # the OpenAI API's shape, which its clients read
+                return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+            return {"error": message}
+
         def _answer(self, route) -> None:
             try:
                 self._send(*route())
             except BadRequest as e:
-                self._send(e.status, {"error": str(e)}, close=isinstance(e, TooLarge))
+                self._send(
+                    e.status, self._error(str(e), "invalid_request_error"), close=isinstance(e, TooLarge)
+                )
             except MilesError as e:
-                self._send(HTTPStatus.BAD_REQUEST, {"error": str(e)})
+                self._send(HTTPStatus.BAD_REQUEST, self._error(str(e), "invalid_request_error"))
             except Exception as e:  # a bug: report it, keep serving
-                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(e).__name__}: {e}"})
+                self._send(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, self._error(f"{type(e).__name__}: {e}", "server_error")
+                )
 
         def do_GET(self) -> None:
             self._answer(lambda: get(self.path))
