@@ -205,3 +205,36 @@ def test_split_by_prompt_keeps_groups_on_one_engine(groups, n):
         sizes[tuple(r.prompt_ids)] = sizes.get(tuple(r.prompt_ids), 0) + 1
     loads = [len(c) for c in chunks]
     assert max(loads) - min(loads) <= max(sizes.values(), default=0)
+
+
+def test_tool_conversations_on_ray_engines_equal_the_local_engines(ray_cluster, tmp_path):
+    """Built-in tool calling through the Ray engines: the same conversations, token for token,
+    as through one local engine (the turns batch across engines like any rollout)."""
+    from miles.agents.tool_rollout import ToolCalling
+    from miles.agents.tools import ToolBox, load_tools
+    from miles.models.tokenizer import byte_tokenizer
+    from tests.agent_fixtures import always_calculator
+
+    tok = byte_tokenizer()
+    save_model(random_model("qwen3_moe", seed=3, vocab_size=len(tok)), tmp_path / "m", tokenizer=tok)
+    manager = RolloutManager(str(tmp_path / "m"), num_engines=2, max_batch_size=8, max_seq_len=512)
+    local = Engine(
+        random_model("qwen3_moe", seed=3, vocab_size=len(tok)), tok, max_batch_size=8, max_seq_len=512
+    )
+    box = ToolBox(load_tools(["calculator"]))
+    calling = ToolCalling(box, always_calculator, ["</tool_call>"], max_turns=2, max_turn_tokens=5)
+
+    def conversations(rollout):
+        prompts = [calling.prompt_ids(tok, f"q{i}", True) for i in range(6)]
+        return calling.generate(
+            rollout, [Request(p, SamplingParams(max_new_tokens=60, seed=i)) for i, p in enumerate(prompts)]
+        )
+
+    try:
+        got, want = conversations(manager), conversations(local)
+    finally:
+        box.close()
+        manager.shutdown()
+    assert [(s.tokens, s.loss_mask) for s in got] == [(s.tokens, s.loss_mask) for s in want]
+    assert all(s.metadata["turns"] == 2 and s.metadata["tool_calls"] == 1 for s in got)
+    assert all(s.rollout_routed_experts.shape[0] == len(s.tokens) - 1 for s in got)

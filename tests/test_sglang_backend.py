@@ -251,3 +251,32 @@ def test_lora_adapters_reach_the_servers_by_disk_and_by_group(servers, tmp_path)
                 assert (v - merged[k]).abs().max() < 1e-6
         if transport == "disk":
             assert (tmp_path / transport / "current" / "adapter_config.json").exists()
+
+
+def test_tool_conversations_through_sglang_servers_equal_the_local_engines(servers, tmp_path):
+    from miles.agents.tool_rollout import ToolCalling
+    from miles.agents.tools import ToolBox, load_tools
+    from miles.models.checkpoint import hf_state_dict
+    from miles.rollout import Engine
+    from tests.agent_fixtures import always_calculator
+
+    policy, tokenizer = registry.load("tiny")
+    rollout = SGLangRollout(servers, tokenizer, policy.config, tmp_path)
+    rollout.update_weights(hf_state_dict(policy).items(), version=7)  # the base, whatever ran before
+    local = Engine(policy, tokenizer, max_batch_size=8)
+    box = ToolBox(load_tools(["calculator"]))
+    calling = ToolCalling(box, always_calculator, ["</tool_call>"], max_turns=2, max_turn_tokens=6)
+
+    def conversations(engine):
+        prompts = [calling.prompt_ids(tokenizer, f"Calculate {i} + 3.", True) for i in range(4)]
+        params = [SamplingParams(temperature=1.0, max_new_tokens=60, seed=i) for i in range(4)]
+        return calling.generate(engine, [Request(p, q) for p, q in zip(prompts, params)])
+
+    try:
+        got, want = conversations(rollout), conversations(local)
+    finally:
+        box.close()
+    assert [(s.tokens, s.loss_mask) for s in got] == [(s.tokens, s.loss_mask) for s in want]
+    assert all(s.metadata["tool_calls"] == 1 and s.weight_versions == [7] for s in got)
+    for s, w in zip(got, want):
+        assert s.rollout_log_probs == pytest.approx(w.rollout_log_probs, abs=1e-5)
