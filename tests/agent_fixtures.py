@@ -133,3 +133,15 @@ def openai_agent(base_url: str, sample: Sample):
 def always_calculator(text: str) -> list:
     """A parser that calls the calculator at every turn (a random policy writes no calls)."""
     return [ToolCall("calculator", {"expression": "12 * 34"})]
+
+
+def unknown_calls(text: str) -> list:
+    """A parser that reads a call to a tool nobody has at every turn: a tool-error storm."""
+    return [ToolCall("search", {"query": "x"})]
+
+
+def calls_half_the_time(text: str) -> list:
+    """A parser that reads a calculator call in about half the turns (by a hash of the text)."""
+    import zlib
+
+    return [ToolCall("calculator", {"expression": "2 + 2"})] if zlib.crc32(text.encode()) % 2 else []

@@ -200,10 +200,8 @@ def test_tool_mode_trains_with_agent_metrics_and_routing_replay(tmp_path):
     )  # fmt: skip
     steps = [m for m in metrics if m["rollout"] >= 0]
     for m in steps:
-        assert (
-            m["agent_turns_mean"] == 2 and m["agent_tool_calls_mean"] == 1 and m["agent_max_turns_frac"] == 1
-        )
-        assert m["agent_tool_errors"] == 0 and m["agent_observation_tokens_mean"] > 0
+        assert m["turns_mean"] == 2 and m["tool_calls_mean"] == 1 and m["trajectory_max_turns_frac"] == 1
+        assert m["tool_errors"] == 0 and m["observation_tokens_mean"] > 0
         assert m["train_rollout_logprob_abs_diff"] < 1e-5 and m["routing_mismatch_frac"] == 0
     groups, _ = load_rollout(rollouts, 0)
     s = groups[0][0]

@@ -249,3 +249,29 @@ def test_a_reward_drop_within_sampling_noise_is_not_a_collapse(tmp_path):
 
     assert CHECKS["reward_collapse"].run(record(256), None) is not None
     assert CHECKS["reward_collapse"].run(record(4), None) is None
+
+
+TOOL_RUN = ["--tool-path", "calculator", "--rollout-max-response-len", "48", "--max-turn-tokens", "4"]
+
+
+def test_a_tool_error_storm_names_its_kind_and_folds_the_turn_limit_under_it(runs):
+    bad = run_job(runs, "tool-storm", *TOOL_RUN, "--tool-call-parser", "tests.agent_fixtures:unknown_calls",
+                  "--max-turns", "2", steps=2)  # fmt: skip
+    names, findings = symptoms(bad)
+    assert names == {"tool_errors"}
+    # failed calls are retried to the limit, and their error texts fill the budget
+    assert {f.check for f in findings[0].explains} <= {"turn_limit", "trajectory_budget"}
+    assert findings[0].explains
+    assert "unknown_tool" in findings[0].cause and "miles sft" in findings[0].remedies[0].why
+    assert_remedies_accepted(bad, findings)
+
+
+def test_the_turn_limit_and_its_remedy(runs):
+    parser = ["--tool-call-parser", "tests.agent_fixtures:calls_half_the_time"]
+    bad = run_job(runs, "turn-limit", *TOOL_RUN, *parser, "--max-turns", "1", steps=2)
+    names, findings = symptoms(bad)
+    assert names == {"turn_limit"}
+    assert ["--max-turns", "2"] in remedy_flags(findings)
+    assert_remedies_accepted(bad, findings)
+    fixed = run_job(runs, "turn-limit-fixed", *TOOL_RUN, *parser, "--max-turns", "4", steps=2)
+    assert "turn_limit" not in symptoms(fixed)[0]

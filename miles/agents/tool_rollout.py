@@ -4,8 +4,8 @@ Every conversation still running at a turn is generated in one call of the rollo
 `Rollout`: the in-process engine, Ray engines, SGLang servers), and all their tool calls run in
 parallel in the sandboxed workers. The response budget (`max_new_tokens` of the request,
 --rollout-max-response-len) covers the whole conversation after the prompt: the policy's turns
-and the tool results. A conversation ends when a turn calls no tool (finish `stop`, or `length`
-for a turn cut at --max-turn-tokens), the budget is spent (`length`), the turn limit is reached
+and the tool results. A conversation ends when a turn calls no tool (finish `stop`, or
+`turn_length` for a turn cut at --max-turn-tokens), the budget is spent (`length`), the turn limit is reached
 with a call pending (`max_turns`) or the tool results would not fit the budget (`context`).
 """
 
@@ -33,6 +33,7 @@ class ToolCalling:
     max_turns: int = 4
     max_tool_calls: int = 8
     max_turn_tokens: int | None = None  # tokens one turn may generate (None: what is left of the budget)
+    max_seq_len: int | None = None  # the engines' context: prompt + everything after it (set by the run)
 
     @property
     def prompt_overhead(self) -> int:
@@ -65,7 +66,7 @@ class ToolCalling:
                     continue
                 calls = self.parser(tokenizer.decode(out.response_tokens, skip_special_tokens=False))
                 if not calls:  # the answer (or a turn cut at --max-turn-tokens)
-                    t.end(out.status, "stop" if out.status is Status.COMPLETED else "length")
+                    t.end(out.status, "stop" if out.status is Status.COMPLETED else "turn_length")
                 elif turn == self.max_turns - 1:
                     t.end(Status.TRUNCATED, "max_turns")
                 else:
@@ -105,10 +106,12 @@ class ToolCalling:
         for i, done in by_conversation.items():
             t = trajectories[i]
             t.tool_calls += sum(isinstance(c, ToolCall) for c, _ in done)
-            for _, r in done:
+            for c, r in done:
                 t.tool_seconds += r.seconds
                 if r.error:
                     t.tool_errors[r.error] += 1
+                call = {"name": c.name, "arguments": c.arguments} if isinstance(c, ToolCall) else {}
+                t.calls.append({**call, "result": r.text, "error": r.error})
             messages = [
                 {"role": "tool", "name": c.name if isinstance(c, ToolCall) else "error", "content": r.text}
                 for c, r in done
@@ -118,7 +121,8 @@ class ToolCalling:
             tail = tokenizer.decode([last], skip_special_tokens=False) if special else ""
             text = bridge(tokenizer, [{"role": "user", "content": "."}], messages, self.box.schemas, tail)
             ids = encode(tokenizer, text)
-            if t.response_length + len(ids) >= requests[i].params.max_new_tokens:
+            over_context = self.max_seq_len is not None and len(t.tokens) + len(ids) >= self.max_seq_len
+            if over_context or t.response_length + len(ids) >= requests[i].params.max_new_tokens:
                 t.end(Status.TRUNCATED, "context")
                 continue
             t.add_observation(ids)

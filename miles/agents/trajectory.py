@@ -3,9 +3,11 @@ produced, which of them are the policy's (loss mask 1, engine log-probs) and whi
 (prompt, tool results, the template's turn markers: mask 0), and what happened on the way.
 
 `sample.response` is the text of the policy's last turn (what a reward scores); the
-`metadata` keys `turns`, `tool_calls`, `tool_errors` ({kind: count}), `tool_seconds`,
-`observation_tokens` and `finish` (stop | length | max_turns | context | agent_error) feed the
-run's agent_* metrics.
+`metadata` keys `turns`, `tool_calls`, `tool_errors` ({kind: count}), `tool_call_log` (each
+call's name, arguments, result text and error kind), `tool_seconds`,
+`observation_tokens` and `finish` (stop | turn_length | length | max_turns | context |
+agent_error) feed the
+run's turns/tool/trajectory metrics (`agent_metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
+    calls: list[dict] = field(default_factory=list)  # {"name", "arguments", "result", "error"} per call
     tool_seconds: float = 0.0
     observation_tokens: int = 0
     status: Status = Status.PENDING
@@ -86,6 +89,7 @@ class Trajectory:
             turns=self.turns,
             tool_calls=self.tool_calls,
             tool_errors=dict(self.tool_errors),
+            tool_call_log=list(self.calls),
             tool_seconds=self.tool_seconds,
             observation_tokens=self.observation_tokens,
             finish=self.finish,
@@ -94,7 +98,9 @@ class Trajectory:
 
 
 def agent_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """A rollout's agent_* metrics (empty when no sample came from a multi-turn rollout)."""
+    """A rollout's multi-turn metrics (empty when no sample came from a multi-turn rollout): turns,
+    tool calls and errors by kind, tool seconds, observation tokens, trajectories cut (any reason),
+    cut at --max-turns and cut by the response budget or the context."""
     multi = [s for s in samples if "turns" in s.metadata]
     if not multi:
         return {}
@@ -104,15 +110,16 @@ def agent_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         errors.update(s.metadata["tool_errors"])
     calls = sum(s.metadata["tool_calls"] for s in multi)
     out = {
-        "agent_turns_mean": sum(s.metadata["turns"] for s in multi) / n,
-        "agent_tool_calls_mean": calls / n,
-        "agent_tool_errors": float(sum(errors.values())),
-        "agent_tool_error_frac": sum(errors.values()) / calls if calls else 0.0,
-        "agent_tool_seconds": sum(s.metadata["tool_seconds"] for s in multi),
-        "agent_observation_tokens_mean": sum(s.metadata["observation_tokens"] for s in multi) / n,
-        "agent_truncated_frac": sum(s.metadata["finish"] not in ("stop", "") for s in multi) / n,
-        "agent_max_turns_frac": sum(s.metadata["finish"] == "max_turns" for s in multi) / n,
+        "turns_mean": sum(s.metadata["turns"] for s in multi) / n,
+        "tool_calls_mean": calls / n,
+        "tool_errors": float(sum(errors.values())),
+        "tool_error_frac": sum(errors.values()) / calls if calls else 0.0,
+        "tool_seconds": sum(s.metadata["tool_seconds"] for s in multi),
+        "observation_tokens_mean": sum(s.metadata["observation_tokens"] for s in multi) / n,
+        "trajectory_truncated_frac": sum(s.metadata["finish"] not in ("stop", "") for s in multi) / n,
+        "trajectory_max_turns_frac": sum(s.metadata["finish"] == "max_turns" for s in multi) / n,
+        "trajectory_budget_frac": sum(s.metadata["finish"] in ("length", "context") for s in multi) / n,
     }
     for kind, count in errors.items():
-        out[f"agent_tool_errors_{kind}"] = float(count)
+        out[f"tool_errors_{kind}"] = float(count)
     return out

@@ -17,7 +17,7 @@ PANELS = [
         "time",
         ["rollout_time", "train_time", "sync_seconds", "engine_prefill_time", "engine_decode_time"],
     ),  # seconds per step (train_time includes the sync; engine_*: the engines' own split)
-    ("lengths", ["response_len_mean"]),
+    ("lengths", ["response_len_mean", "observation_tokens_mean"]),  # observation: tool results (agents)
     (
         "memory",
         ["mem_driver_peak_rss_gb", "mem_train_peak_rss_gb", "mem_rollout_peak_rss_gb"],
@@ -45,6 +45,13 @@ PANELS = [
     ("router", ["router_entropy", "aux_loss"]),
     ("expert_share", ["expert_share_e*"]),  # each expert's share of the kept slots
     ("r3_buffer", ["r3_buffer_peak_mb"]),  # --r3-buffer-size
+    # tool-calling rollouts (--tool-path, --agent-path): calls, errors by kind, cut conversations
+    ("tools", ["turns_mean", "tool_calls_mean", "tool_error_frac", "tool_seconds"]),
+    ("tool_errors", ["tool_errors_*"]),
+    (
+        "trajectories",
+        ["trajectory_truncated_frac", "trajectory_max_turns_frac", "trajectory_budget_frac", "agent_errors"],
+    ),
     # co-evolution (--env-path): each agent's reward, and Kuhn Poker's exact exploitability
     ("agent_reward", ["agent_reward_*"]),
     ("exploitability", ["exploitability", "exploitability_avg", "game_value"]),

@@ -38,6 +38,9 @@ THRESHOLDS = {
     "accuracy_gap": 0.05,  # final held-out accuracy below the --compare run's by this much
     "spec_accept": 0.5,  # median share of checked draft proposals the policy accepts
     "spec_drift": 0.05,  # acceptance of the last fifth of the run below the first fifth by this much
+    "tool_error_frac": 0.3,  # median share of tool calls that end in an error observation
+    "turn_limit_frac": 0.25,  # median share of conversations cut at --max-turns with a call pending
+    "trajectory_cut_frac": 0.25,  # median share cut by the response budget (not the turn limit)
 }
 
 
@@ -317,7 +320,7 @@ def reward_collapse(run: RunRecord, compare: RunRecord | None):
 @check(
     "truncation",
     f"more than {THRESHOLDS['truncated_frac']:.0%} of responses hit --rollout-max-response-len",
-    explained_by=("loss_explosion", "reward_collapse"),
+    explained_by=("loss_explosion", "reward_collapse", "turn_limit", "trajectory_budget"),
 )
 def truncation(run: RunRecord, compare: RunRecord | None):
     median = run.median("truncated_frac")
@@ -333,6 +336,109 @@ def truncation(run: RunRecord, compare: RunRecord | None):
         )
     ]
     return "responses are longer than the run lets them be", evidence, remedies
+
+
+# ---- agents: tool calls and multi-turn conversations ---------------------------------------------
+
+TOOL_ERROR_REMEDIES = {
+    "timeout": lambda run: Remedy(
+        ["--tool-timeout", f"{run.setting('agent.tool_timeout', 10.0) * 3:g}"], "calls are killed at the timeout"
+    ),
+    "memory": lambda run: Remedy(
+        ["--tool-memory-mb", str(run.setting("agent.tool_memory_mb", 1024) * 4)], "calls hit the memory limit"
+    ),
+    "too_many_calls": lambda run: Remedy(
+        ["--max-tool-calls", str(run.setting("agent.max_tool_calls", 8) * 2)], "calls past the limit are refused"
+    ),
+    "tool_raised": lambda run: Remedy([], "the tool itself raises: the error text is each call's result "
+                                          "(metadata tool_call_log of --save-debug-rollout-data samples)"),
+    "tool_died": lambda run: Remedy([], "the tool's process dies (a crash, or --tool-cpu-seconds spent): "
+                                        "raise --tool-cpu-seconds or fix the tool"),
+}  # fmt: skip
+FORMAT_ERRORS = ("malformed_call", "unknown_tool", "bad_arguments")
+
+
+@check(
+    "tool_errors",
+    f"more than {THRESHOLDS['tool_error_frac']:.0%} of tool calls end in an error",
+    explained_by=("loss_explosion",),
+)
+def tool_errors(run: RunRecord, compare: RunRecord | None):
+    median = run.median("tool_error_frac")
+    if median is None or median <= THRESHOLDS["tool_error_frac"]:
+        return None
+    kinds = {
+        key.removeprefix("tool_errors_"): sum(run.values(key))
+        for key in {k for r in run.steps for k in r if k.startswith("tool_errors_")}
+    }
+    ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
+    evidence = [
+        Evidence("tool_error_frac", median, None, THRESHOLDS["tool_error_frac"], note="median over steps")
+    ]
+    evidence += [Evidence(f"tool_errors_{k}", v, note="over the run") for k, v in ranked[:3]]
+    remedies = [TOOL_ERROR_REMEDIES[k](run) for k, _ in ranked if k in TOOL_ERROR_REMEDIES]
+    if any(k in FORMAT_ERRORS for k, _ in ranked[:2]):
+        remedies.insert(
+            0,
+            Remedy(
+                [],
+                "the policy does not write calls the parser reads: warm-start it with `miles sft` on tool-use "
+                "conversations, and check --tool-call-parser matches the format its chat template teaches",
+            ),
+        )
+    top = ranked[0][0] if ranked else "unknown"
+    return f"tool calls fail, mostly {top}", evidence, remedies
+
+
+@check(
+    "turn_limit",
+    f"more than {THRESHOLDS['turn_limit_frac']:.0%} of conversations end at --max-turns with a call pending",
+    explained_by=("tool_errors",),  # calls that fail are retried until the limit
+)
+def turn_limit(run: RunRecord, compare: RunRecord | None):
+    median = run.median("trajectory_max_turns_frac")
+    if median is None or median <= THRESHOLDS["turn_limit_frac"]:
+        return None
+    turns = run.setting("agent.max_turns", 4)
+    evidence = [
+        Evidence(
+            "trajectory_max_turns_frac", median, None, THRESHOLDS["turn_limit_frac"], note="median over steps"
+        )
+    ]
+    remedies = [
+        Remedy(["--max-turns", str(turns * 2)], f"twice this run's {turns}: a cut conversation gives no answer"),
+        Remedy([], "a policy that calls tools in a loop: check the tool results answer what it asks "
+                   "(the tool_call_log of saved rollouts), or reward fewer calls"),
+    ]  # fmt: skip
+    return "conversations run out of turns before the policy answers", evidence, remedies
+
+
+@check(
+    "trajectory_budget",
+    f"more than {THRESHOLDS['trajectory_cut_frac']:.0%} of conversations run out of response budget",
+    explained_by=("tool_errors",),  # error results are long text
+)
+def trajectory_budget(run: RunRecord, compare: RunRecord | None):
+    median = run.median("trajectory_budget_frac")
+    if median is None or median <= THRESHOLDS["trajectory_cut_frac"]:
+        return None
+    length = run.setting("rollout.rollout_max_response_len", 64)
+    evidence = [
+        Evidence(
+            "trajectory_budget_frac", median, None,
+            THRESHOLDS["trajectory_cut_frac"], note=f"median over steps; observation_tokens_mean "
+            f"{run.median('observation_tokens_mean') or 0:.0f}",
+        )
+    ]  # fmt: skip
+    remedies = [
+        Remedy(
+            ["--rollout-max-response-len", str(length * 2)],
+            f"twice this run's {length}: the budget covers every turn and every tool result",
+        )
+    ]
+    if run.setting("agent.max_turn_tokens"):
+        remedies.append(Remedy([], "or lower --max-turn-tokens so one long turn cannot spend the budget"))
+    return "conversations (turns and tool results together) outgrow the response budget", evidence, remedies
 
 
 # ---- train / rollout mismatch ------------------------------------------------------------------

@@ -114,6 +114,8 @@ def train(cfg: RunConfig) -> Path:
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
     if mode is not None and mode.prompt_overhead is None:  # an agent writes its own prompts
         max_seq_len = context
+    if mode is not None and hasattr(mode, "max_seq_len"):  # conversations stop before they outgrow it
+        mode.max_seq_len = max_seq_len
     check_token_budget(cfg, data.max_prompt_len)
     critic = None
     if cfg.algo.advantage_estimator == "ppo" and not on_ray(cfg):  # from the policy as loaded, before FP8
