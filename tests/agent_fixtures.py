@@ -145,3 +145,20 @@ def calls_half_the_time(text: str) -> list:
     import zlib
 
     return [ToolCall("calculator", {"expression": "2 + 2"})] if zlib.crc32(text.encode()) % 2 else []
+
+
+def forking_agent(base_url: str, sample: Sample):
+    """Asks once, continues that reply two ways (a fork), then asks again with its history rewritten."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": str(sample.prompt)}]
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    history = [*messages, first.choices[0].message.model_dump(exclude_none=True)]
+    for follow in ("left", "right"):
+        client.chat.completions.create(
+            model="policy", messages=[*history, {"role": "user", "content": follow}], max_tokens=4
+        )
+    rewritten = [{"role": "user", "content": "something else"}]
+    client.chat.completions.create(model="policy", messages=rewritten, max_tokens=4)
+    return 0.5

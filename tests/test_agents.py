@@ -74,7 +74,10 @@ def test_tool_schemas_come_from_signatures_and_bad_paths_are_refused():
 def test_every_tool_failure_is_an_observation_and_the_workers_go_on():
     names = ["echo", "boom", "sleepy", "hog", "big_file", "environment"]
     box = ToolBox(
-        load_tools([f"{FIX}:{n}" for n in names]), timeout=2.0, limits=Limits(5, 512, 1), num_workers=3
+        load_tools(["python", *(f"{FIX}:{n}" for n in names)]),
+        timeout=2.0,
+        limits=Limits(5, 512, 1),
+        num_workers=4,
     )
     try:
         calls = [
@@ -88,6 +91,9 @@ def test_every_tool_failure_is_an_observation_and_the_workers_go_on():
             ToolCall("echo", {"words": "x"}),
             CallError("malformed_call", "the tool call is not valid JSON"),
             ToolCall("environment", {"name": "MILES_SECRET"}),
+            ToolCall("python", {"code": "print(6 * 7)"}),
+            ToolCall("python", {"code": "while True:\n    pass"}),  # killed at the timeout
+            ToolCall("python", {"code": "x = 'a' * 10**10"}),  # a MemoryError inside the program
         ]
         import os
 
@@ -96,11 +102,12 @@ def test_every_tool_failure_is_an_observation_and_the_workers_go_on():
         kinds = [r.error for r in results]
         assert kinds == [
             None, "tool_raised", "timeout", "memory", "tool_raised", "unknown_tool", "bad_arguments",
-            "bad_arguments", "malformed_call", None,
+            "bad_arguments", "malformed_call", None, None, "timeout", None,
         ]  # fmt: skip
         assert results[0].text == "fine" and "boom 3" in results[1].text
         assert "--tool-timeout 2" in results[2].text and "File too large" in results[4].text
-        secret, cwd = results[-1].text.split("|")
+        assert results[-3].text == "42\n" and "MemoryError" in results[-1].text
+        secret, cwd = results[-4].text.split("|")
         assert secret == "None" and "miles-tool-" in cwd  # a clean environment, a fresh directory
         assert box.run([ToolCall("echo", {"text": "after"})])[0].text == "after"  # replaced workers serve
     finally:
@@ -318,3 +325,25 @@ def test_agent_flags_are_checked_before_any_work():
         load_config(["--config", str(DEFAULT_YAML), "--tool-path", "calculator", "--max-turns", "0"])
     cfg = load_config(["--config", str(DEFAULT_YAML), "--tool-path", "calculator", "--tool-path", "python"])
     assert cfg.agent.tool_path == ["calculator", "python"]
+
+
+def test_a_forking_agent_yields_one_trajectory_per_branch():
+    pytest.importorskip("openai")
+    from miles.agents.modes import BlackBoxAgent
+    from miles.models.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    engine = Engine(random_model("llama", vocab_size=len(tok)), tok, max_batch_size=8, max_seq_len=256)
+    agent = BlackBoxAgent(f"{FIX}:forking_agent", max_tokens=16)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+    try:
+        (samples,) = agent.generate_each(engine, [Request([1], params, sample=Sample(prompt="hi"))])
+    finally:
+        agent.close()
+    assert len(samples) == 3 and all(s.metadata["agent_reward"] == 0.5 for s in samples)
+    left, right, rewritten = samples
+    assert left.metadata["turns"] == right.metadata["turns"] == 2 and rewritten.metadata["turns"] == 1
+    first = left.prompt_length + left.loss_mask.index(0)  # the shared first reply ends here
+    assert left.tokens[:first] == right.tokens[:first] and left.tokens != right.tokens
+    assert "left" in tok.decode(left.tokens) and "right" in tok.decode(right.tokens)
+    assert "something else" in tok.decode(rewritten.tokens) and "user\nhi" not in tok.decode(rewritten.tokens)

@@ -41,13 +41,17 @@ class Lockstep:
     def __init__(self, rollout, patience: float = 2.0) -> None:
         self.rollout, self.patience = rollout, patience
         self._cond = threading.Condition()
-        self._waiting: dict[int, tuple[Request, list]] = {}
+        self._waiting: list[
+            tuple[int, int, Request, list]
+        ] = []  # (conversation, arrival, request, answer box)
+        self._arrivals = 0
         self._live = 0
 
     def submit(self, index: int, request: Request) -> Sample:
         box: list = []
-        with self._cond:
-            self._waiting[index] = (request, box)
+        with self._cond:  # one conversation may wait with several requests at once (an agent that forks)
+            self._waiting.append((index, self._arrivals, request, box))
+            self._arrivals += 1
             self._cond.notify_all()
             while not box:
                 self._cond.wait()
@@ -81,8 +85,8 @@ class Lockstep:
                         break
                     # every live thread waiting, or `patience` for one busy with work of its own
                     self._cond.wait_for(lambda: len(self._waiting) >= self._live, timeout=self.patience)
-                    batch = sorted(self._waiting.items())
-                    self._waiting = {}
+                    batch = sorted(self._waiting, key=lambda w: w[:2])
+                    self._waiting = []
                 self._answer(batch)
         return results
 
@@ -92,13 +96,13 @@ class Lockstep:
         except Exception as e:  # noqa: BLE001 - raised in that conversation's thread
             return e
 
-    def _answer(self, batch: list[tuple[int, tuple[Request, list]]]) -> None:
-        requests = [request for _, (request, _) in batch]
+    def _answer(self, batch: list[tuple[int, int, Request, list]]) -> None:
+        requests = [request for _, _, request, _ in batch]
         try:
             outs: list[Any] = list(self.rollout.generate(requests))
         except Exception:  # noqa: BLE001 - find whose request it was: only that conversation gets the error
             outs = [self._one(r) for r in requests]
         with self._cond:
-            for (_, (_, box)), out in zip(batch, outs):
+            for (*_, box), out in zip(batch, outs):
                 box.append(out)
             self._cond.notify_all()

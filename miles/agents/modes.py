@@ -23,7 +23,7 @@ log = logging.getLogger("miles")
 
 
 class RolloutMode(Protocol):
-    prompt_overhead: int | None  # characters a mode adds to each prompt (None: unknown, it writes its own)
+    def prompt_overhead(self, tokenizer) -> int | None: ...  # characters added to each prompt (None: unknown)
 
     def prompt_ids(self, tokenizer, prompt, chat: bool) -> list[int]: ...
 
@@ -35,7 +35,8 @@ class RolloutMode(Protocol):
 class SingleTurn:
     """One engine call per sample."""
 
-    prompt_overhead: int | None = 0
+    def prompt_overhead(self, tokenizer) -> int | None:
+        return 0
 
     def prompt_ids(self, tokenizer, prompt, chat: bool) -> list[int]:
         return encode_prompt(tokenizer, prompt, chat)
@@ -71,7 +72,9 @@ class CustomGenerate(SingleTurn):
     """`--custom-generate-function-path`: fn(sample, client, params) -> Sample, one thread per sample."""
 
     FLAG = "--custom-generate-function-path"
-    prompt_overhead = None
+
+    def prompt_overhead(self, tokenizer) -> int | None:
+        return None  # the function writes its own prompts
 
     def __init__(self, path: str) -> None:
         self.fn = load_function(path, self.FLAG)
@@ -126,7 +129,9 @@ class BlackBoxAgent(SingleTurn):
     """`--agent-path`: fn(base_url, sample) runs the user's agent against an OpenAI-compatible URL."""
 
     FLAG = "--agent-path"
-    prompt_overhead = None
+
+    def prompt_overhead(self, tokenizer) -> int | None:
+        return None  # the agent writes its own prompts
 
     def __init__(self, path: str, max_tokens: int) -> None:
         self.fn: Callable = load_function(path, self.FLAG, "module:function(base_url, sample)")

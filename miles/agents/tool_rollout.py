@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from miles.agents.chat import bridge, encode, prompt_ids, tool_instructions
+from miles.agents.chat import bridge, encode, prompt_ids, render
 from miles.agents.tool_calls import CallError, ToolCall
 from miles.agents.tools import ToolBox
 from miles.agents.trajectory import Trajectory
@@ -35,9 +35,11 @@ class ToolCalling:
     max_turn_tokens: int | None = None  # tokens one turn may generate (None: what is left of the budget)
     max_seq_len: int | None = None  # the engines' context: prompt + everything after it (set by the run)
 
-    @property
-    def prompt_overhead(self) -> int:
-        return len(tool_instructions(self.box.schemas)) + 64
+    def prompt_overhead(self, tokenizer) -> int:
+        """Characters the tools add to a prompt (a bound on their tokens)."""
+        bare = [{"role": "user", "content": "."}]
+        with_tools = render(tokenizer, bare, self.box.schemas, generation_prompt=True)
+        return len(with_tools) - len(render(tokenizer, bare, None, generation_prompt=True)) + 16
 
     def prompt_ids(self, tokenizer, prompt, chat: bool) -> list[int]:
         return prompt_ids(tokenizer, prompt, self.box.schemas)
@@ -64,7 +66,7 @@ class ToolCalling:
                 if out.status is Status.ABORTED or t.response_length >= requests[i].params.max_new_tokens:
                     t.end(out.status, "length" if out.status is Status.TRUNCATED else out.status.value)
                     continue
-                calls = self.parser(tokenizer.decode(out.response_tokens, skip_special_tokens=False))
+                calls = self._parse(tokenizer.decode(out.response_tokens, skip_special_tokens=False))
                 if not calls:  # the answer (or a turn cut at --max-turn-tokens)
                     t.end(out.status, "stop" if out.status is Status.COMPLETED else "turn_length")
                 elif turn == self.max_turns - 1:
@@ -75,6 +77,12 @@ class ToolCalling:
         return [
             t.fill(r.sample if r.sample is not None else Sample()) for t, r in zip(trajectories, requests)
         ]
+
+    def _parse(self, text: str) -> list:
+        try:
+            return list(self.parser(text))
+        except Exception as e:  # noqa: BLE001 - a parser that cannot read this turn: the policy is told
+            return [CallError("parser_error", f"the tool call could not be read ({type(e).__name__}: {e})")]
 
     def _request(self, request: Request, t: Trajectory, turn: int) -> Request:
         p = request.params

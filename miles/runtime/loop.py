@@ -109,10 +109,11 @@ def train(cfg: RunConfig) -> Path:
             nonconstant_reward if path == "default" else load_function(path, "--dynamic-sampling-filter-path")
         )
     mode = rollout_mode(cfg) if cfg.agent.mode_flag else None  # tools and agent code imported now
-    if mode is not None and mode.prompt_overhead is not None:  # e.g. the tools' descriptions
-        data.max_prompt_len += mode.prompt_overhead
+    overhead = mode.prompt_overhead(tokenizer) if mode is not None else 0
+    if overhead is not None:  # e.g. the tools' descriptions
+        data.max_prompt_len += overhead
     max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
-    if mode is not None and mode.prompt_overhead is None:  # an agent writes its own prompts
+    if overhead is None:  # an agent writes its own prompts
         max_seq_len = context
     if mode is not None and hasattr(mode, "max_seq_len"):  # conversations stop before they outgrow it
         mode.max_seq_len = max_seq_len
