@@ -118,6 +118,14 @@ def _worst(run: RunRecord, key: str) -> tuple[int, float]:
     return max(finite, key=lambda sv: sv[1])
 
 
+def _median_over(run: RunRecord, metric: str, threshold: str, note: str = "") -> list[Evidence] | None:
+    """The evidence that `metric`'s median over steps is above THRESHOLDS[threshold], or None."""
+    median = run.median(metric)
+    if median is None or median <= THRESHOLDS[threshold]:
+        return None
+    return [Evidence(metric, median, None, THRESHOLDS[threshold], note="median over steps" + note)]
+
+
 def _is_moe(run: RunRecord) -> bool:
     return bool(run.series("routing_mismatch_frac") or run.series("expert_load_max_over_mean"))
 
@@ -323,13 +331,10 @@ def reward_collapse(run: RunRecord, compare: RunRecord | None):
     explained_by=("loss_explosion", "reward_collapse", "turn_limit", "trajectory_budget"),
 )
 def truncation(run: RunRecord, compare: RunRecord | None):
-    median = run.median("truncated_frac")
-    if median is None or median <= THRESHOLDS["truncated_frac"]:
+    evidence = _median_over(run, "truncated_frac", "truncated_frac")
+    if evidence is None:
         return None
     length = run.setting("rollout.rollout_max_response_len", 64)
-    evidence = [
-        Evidence("truncated_frac", median, None, THRESHOLDS["truncated_frac"], note="median over steps")
-    ]
     remedies = [
         Remedy(
             ["--rollout-max-response-len", str(length * 2)], f"twice this run's {length}: cut answers score 0"
@@ -364,17 +369,14 @@ FORMAT_ERRORS = ("malformed_call", "unknown_tool", "bad_arguments")
     explained_by=("loss_explosion",),
 )
 def tool_errors(run: RunRecord, compare: RunRecord | None):
-    median = run.median("tool_error_frac")
-    if median is None or median <= THRESHOLDS["tool_error_frac"]:
+    evidence = _median_over(run, "tool_error_frac", "tool_error_frac")
+    if evidence is None:
         return None
     kinds = {
         key.removeprefix("tool_errors_"): sum(run.values(key))
         for key in {k for r in run.steps for k in r if k.startswith("tool_errors_")}
     }
     ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
-    evidence = [
-        Evidence("tool_error_frac", median, None, THRESHOLDS["tool_error_frac"], note="median over steps")
-    ]
     evidence += [Evidence(f"tool_errors_{k}", v, note="over the run") for k, v in ranked[:3]]
     remedies = [TOOL_ERROR_REMEDIES[k](run) for k, _ in ranked if k in TOOL_ERROR_REMEDIES]
     if any(k in FORMAT_ERRORS for k, _ in ranked[:2]):
@@ -396,15 +398,10 @@ def tool_errors(run: RunRecord, compare: RunRecord | None):
     explained_by=("tool_errors",),  # calls that fail are retried until the limit
 )
 def turn_limit(run: RunRecord, compare: RunRecord | None):
-    median = run.median("trajectory_max_turns_frac")
-    if median is None or median <= THRESHOLDS["turn_limit_frac"]:
+    evidence = _median_over(run, "trajectory_max_turns_frac", "turn_limit_frac")
+    if evidence is None:
         return None
     turns = run.setting("agent.max_turns", 4)
-    evidence = [
-        Evidence(
-            "trajectory_max_turns_frac", median, None, THRESHOLDS["turn_limit_frac"], note="median over steps"
-        )
-    ]
     remedies = [
         Remedy(["--max-turns", str(turns * 2)], f"twice this run's {turns}: a cut conversation gives no answer"),
         Remedy([], "a policy that calls tools in a loop: check the tool results answer what it asks "
@@ -419,17 +416,11 @@ def turn_limit(run: RunRecord, compare: RunRecord | None):
     explained_by=("tool_errors",),  # error results are long text
 )
 def trajectory_budget(run: RunRecord, compare: RunRecord | None):
-    median = run.median("trajectory_budget_frac")
-    if median is None or median <= THRESHOLDS["trajectory_cut_frac"]:
+    observed = f"; observation_tokens_mean {run.median('observation_tokens_mean') or 0:.0f}"
+    evidence = _median_over(run, "trajectory_budget_frac", "trajectory_cut_frac", observed)
+    if evidence is None:
         return None
     length = run.setting("rollout.rollout_max_response_len", 64)
-    evidence = [
-        Evidence(
-            "trajectory_budget_frac", median, None,
-            THRESHOLDS["trajectory_cut_frac"], note=f"median over steps; observation_tokens_mean "
-            f"{run.median('observation_tokens_mean') or 0:.0f}",
-        )
-    ]  # fmt: skip
     remedies = [
         Remedy(
             ["--rollout-max-response-len", str(length * 2)],
