@@ -4,9 +4,9 @@
   conversations (the question -> a calculator call; the question, the call and its result -> the
   product), few enough steps that it is right only part of the time. Writes runs/agents/sft.
 - `rl`: the example's RL run for each seed, and the same run with the tool switched off (the
-  policy answers in its head): greedy held-out accuracy at the start and the end, and, over each
-  step's samples, the share whose calculator call was correct (the expression evaluates to the
-  product) at the first and the last step.
+  policy answers in its head): greedy held-out accuracy at the start and the end, and, over the
+  first and the last five steps' samples, the accuracy and the share whose calculator call was
+  correct (the expression evaluates to the product).
 
     .venv/bin/python benchmarks/agents.py                 # sft, then rl (table of docs/agents.md)
     .venv/bin/python benchmarks/agents.py --only rl --seeds 0,1 --rollouts 10
@@ -87,7 +87,12 @@ def correct_call_rate(pattern: str, rollout_id: int) -> float:
     return good / len(samples)
 
 
-def rl(seeds: list[int], rollouts: int) -> None:
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def rl(seeds: list[int], rollouts: int, lr: float | None) -> None:
     rows = []
     for seed in seeds:
         for tools in (True, False):
@@ -95,7 +100,7 @@ def rl(seeds: list[int], rollouts: int) -> None:
                 pattern = str(Path(tmp) / "rollout_{rollout_id}.pt")
                 args = ["--config", EXAMPLE, "--seed", str(seed), "--num-rollout", str(rollouts),
                         "--eval-interval", str(rollouts), "--output-dir", tmp, "--no-progress",
-                        "--save-debug-rollout-data", pattern]  # fmt: skip
+                        "--save-debug-rollout-data", pattern] + (["--lr", str(lr)] if lr else [])  # fmt: skip
                 cfg = load_config(args)
                 if not tools:
                     cfg.agent.tool_path = []
@@ -104,17 +109,35 @@ def rl(seeds: list[int], rollouts: int) -> None:
                 seconds = time.perf_counter() - start
                 records = read_metrics(Path(tmp))
                 steps = [r for r in records if r["rollout"] >= 0]
-                calls = (
-                    (correct_call_rate(pattern, 0), correct_call_rate(pattern, rollouts - 1))
-                    if tools
-                    else None
+                k = min(5, rollouts // 2)  # one step of 16 prompts is noisy: the first and last k steps
+                head, tail = range(k), range(rollouts - k, rollouts)
+                accuracy = (
+                    mean(steps[i]["accuracy"] for i in head),
+                    mean(steps[i]["accuracy"] for i in tail),
                 )
-                rows.append((seed, tools, records[0]["eval_accuracy"], steps[-1]["eval_accuracy"],
-                             steps[0]["accuracy"], steps[-1]["accuracy"], calls, seconds))  # fmt: skip
+                calls = None
+                if tools:
+                    calls = (
+                        mean(correct_call_rate(pattern, i) for i in head),
+                        mean(correct_call_rate(pattern, i) for i in tail),
+                    )
+                rows.append(
+                    (
+                        seed,
+                        tools,
+                        records[0]["eval_accuracy"],
+                        steps[-1]["eval_accuracy"],
+                        *accuracy,
+                        calls,
+                        seconds,
+                    )
+                )
                 print(rows[-1], flush=True)
-    print(f"\n{rollouts} RL steps of {EXAMPLE}, from {SFT_DIR}")
     print(
-        "| seed | tool | eval accuracy start -> end | train accuracy first -> last step | correct calls first -> last step | time |"
+        f"\n{rollouts} RL steps of {EXAMPLE}, from {SFT_DIR}; train figures: means over the first and last {k} steps"
+    )
+    print(
+        "| seed | tool | eval accuracy start -> end | train accuracy first -> last steps | correct calls first -> last steps | time |"
     )
     print("|---|---|---|---|---|---|")
     for seed, tools, e0, e1, a0, a1, calls, seconds in rows:
@@ -134,12 +157,13 @@ def main() -> None:
     )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     parser.add_argument("--rollouts", type=int, default=20, help="RL steps per run")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the example's)")
     args = parser.parse_args()
     parts = args.only.split(",")
     if "sft" in parts:
         sft(args.sft_steps)
     if "rl" in parts:
-        rl([int(s) for s in args.seeds.split(",")], args.rollouts)
+        rl([int(s) for s in args.seeds.split(",")], args.rollouts, args.lr)
 
 
 if __name__ == "__main__":
