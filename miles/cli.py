@@ -164,6 +164,32 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
+    """Evaluate a checkpoint (--load) or a model (--model) on the run's evaluation sets."""
+    import json
+
+    from miles.config import load_config
+    from miles.runtime.eval_only import evaluate_checkpoint
+
+    if "--help" in rest or "-h" in rest:
+        print(
+            "usage: miles eval [--config FILE] [--load CHECKPOINT_DIR | --model MODEL] [miles train flags]\n\n"
+            "Evaluate a checkpoint of a run, or a model, on the run's evaluation sets (its held-out set with "
+            "--n-samples-per-eval-prompt / --eval-temperature, and --eval-config's named sets) with the engine "
+            "the run would build; prints one JSON object of eval_* metrics (and writes it to "
+            "--output-dir/eval.json when given). Every other flag is miles train's: see miles train --help."
+        )
+        return 0
+    cfg = load_config(default_job_argv(rest))
+    metrics = evaluate_checkpoint(cfg)
+    print(json.dumps(metrics, indent=1))
+    if cfg.logging.output_dir:
+        out = Path(cfg.logging.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return 0
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     import json
 
@@ -288,6 +314,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
+    sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint (--load) or a model on the run's evaluation sets, pass@k included",
+        description="Evaluation alone. Flags: miles eval --help",
+        add_help=False,
+    )
+
     sft = sub.add_parser(
         "sft",
         help="supervised fine-tuning on a task or a JSONL file",
@@ -387,11 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("INFO")  # warnings and errors of every command reach the terminal
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":  # miles train has its own generated parser (miles.config)
+    if argv and argv[0] in ("train", "eval"):  # their flags are miles train's (miles.config)
         try:
-            return cmd_train(None, argv[1:])
+            return (cmd_train if argv[0] == "train" else cmd_eval)(None, argv[1:])
         except MilesError as e:
-            print(f"miles train: error: {e}", file=sys.stderr)
+            print(f"miles {argv[0]}: error: {e}", file=sys.stderr)
             return 2
     try:
         args = parse_command(parser, argv)

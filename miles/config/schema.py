@@ -64,6 +64,23 @@ class DataSection:
     eval_interval: int = option(
         10, "evaluate every N rollouts (0: only at the start and the end)", bounds="[0, inf)"
     )
+    n_samples_per_eval_prompt: int = option(
+        1,
+        "samples per held-out prompt: 1 decodes greedily; more sample at --eval-temperature and report pass@k "
+        "for k = 1, 2, 4, ... and n",
+        bounds="[1, inf)",
+    )
+    eval_temperature: float | None = option(
+        None,
+        "sampling temperature of the held-out set (default: 0 with one sample per prompt, else "
+        "--rollout-temperature)",
+        bounds="[0, inf)",
+    )
+    eval_config: str | None = option(
+        None,
+        "YAML file of named evaluation sets, logged as eval_<name>_*: `eval: [{name, task, task_config, size} "
+        "or {name, prompt_data, input_key, label_key}, with n_samples and temperature]`",
+    )
 
     def check(self) -> None:
         if self.task and self.prompt_data:
@@ -71,6 +88,7 @@ class DataSection:
         for flag, value in (
             ("--prompt-data", self.prompt_data),
             ("--eval-prompt-data", self.eval_prompt_data),
+            ("--eval-config", self.eval_config),
         ):
             if value and not Path(value).is_file():
                 raise ConfigError(f"{flag} {value}: no such file")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 
 from miles.errors import MilesError
@@ -10,6 +11,8 @@ from miles.runtime.metrics import read_metrics
 PANELS = [
     ("reward", ["reward_mean"]),
     ("accuracy", ["accuracy", "eval_accuracy"]),
+    ("eval_sets", ["eval_*_accuracy"]),  # each --eval-config set's accuracy
+    ("pass_at_k", ["eval_pass@*", "eval_*_pass@*"]),  # --n-samples-per-eval-prompt > 1, a set's n_samples > 1
     ("kl", ["ppo_kl", "kl_loss", "kl_rollout_train_k3"]),
     ("logprob_mismatch", ["train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff_max"]),
     ("routing_mismatch", ["routing_mismatch_frac", "routing_mismatch_token_frac"]),
@@ -63,11 +66,12 @@ PANELS = [
 
 
 def panel_keys(keys: list[str], records: list[dict]) -> list[str]:
-    """The panel's metric names, a trailing * standing for every logged name with that prefix."""
+    """The panel's metric names, a * standing for any run of characters (e.g. every expert's
+    share, every evaluation set's accuracy)."""
     out: list[str] = []
     for key in keys:
-        if key.endswith("*"):
-            names = {k for r in records for k in r if k.startswith(key[:-1])}
+        if "*" in key:
+            names = {k for r in records for k in r if fnmatch.fnmatchcase(k, key)}
             out += sorted(names, key=lambda k: (len(k), k))
         else:
             out.append(key)

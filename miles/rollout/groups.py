@@ -1,5 +1,5 @@
-"""One rollout: prompts -> groups of samples -> engine -> rewards -> group filters; and the
-held-out evaluation, the same path with greedy decoding.
+"""One rollout: prompts -> groups of samples -> engine -> rewards -> group filters (the
+held-out evaluation, `miles.rollout.evaluation`, generates through the same path).
 
 `mode` (`miles.agents.modes.RolloutMode`, None: one engine call per sample) turns each request
 into its samples: a multi-turn mode runs whole conversations, and a black-box agent that forks
@@ -131,17 +131,3 @@ def collect_groups(
         mode,
     )
     return score_and_filter(groups, cfg, rewards, rollout_id, keep_group)
-
-
-def evaluate(
-    engine, items: list[PromptItem], cfg: RunConfig, rewards: RewardRunner, mode=None
-) -> dict[str, float]:
-    """Greedy answers to the held-out prompts: accuracy (reward 1) and mean reward (the last
-    branch of a forking agent counts)."""
-    groups = generate_groups(engine, items, cfg, rollout_id=-1, n=1, temperature=0.0, seed_base=0, mode=mode)
-    rewards.score_groups(groups)
-    samples = [g[-1] for g in groups]
-    return {
-        "eval_accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
-        "eval_reward": sum(s.reward for s in samples) / len(samples),
-    }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,7 +33,8 @@ from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.drafts import load_draft
-from miles.rollout.groups import collect_groups, evaluate
+from miles.rollout.evaluation import EvalSet, eval_sets_of, evaluate_all
+from miles.rollout.groups import collect_groups
 from miles.rollout.partial import PartialRollout
 from miles.runtime.devices import resolve_device
 from miles.runtime.executors import build_executor, on_ray
@@ -68,6 +69,7 @@ class Run:
     critic: Critic | None = None  # --advantage-estimator ppo (a RayCritic on Ray ranks)
     speculation: OnlineDraft | None = None  # --draft-model: spec_* metrics, online draft training
     mode: RolloutMode | None = None  # multi-turn agent rollouts (--tool-path, --agent-path, ...)
+    eval_sets: list[EvalSet] = field(default_factory=list)  # the held-out set and --eval-config's
 
 
 def train(cfg: RunConfig) -> Path:
@@ -109,14 +111,7 @@ def train(cfg: RunConfig) -> Path:
             nonconstant_reward if path == "default" else load_function(path, "--dynamic-sampling-filter-path")
         )
     mode = rollout_mode(cfg) if cfg.agent.mode_flag else None  # tools and agent code imported now
-    overhead = mode.prompt_overhead(tokenizer) if mode is not None else 0
-    if overhead is not None:  # e.g. the tools' descriptions
-        data.max_prompt_len += overhead
-    max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
-    if overhead is None:  # an agent writes its own prompts
-        max_seq_len = context
-    if mode is not None and hasattr(mode, "max_seq_len"):  # conversations stop before they outgrow it
-        mode.max_seq_len = max_seq_len
+    max_seq_len = engine_context(cfg, data, tokenizer, context, mode)
     check_token_budget(cfg, data.max_prompt_len)
     critic = None
     if cfg.algo.advantage_estimator == "ppo" and not on_ray(cfg):  # from the policy as loaded, before FP8
@@ -146,6 +141,7 @@ def train(cfg: RunConfig) -> Path:
             run = Run(
                 cfg, policy, tokenizer, data, rewards, keep,
                 executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic, mode=mode,
+                eval_sets=eval_sets_of(cfg, data),
             )  # fmt: skip
             if cfg.speculative.draft_model:
                 run.speculation = OnlineDraft(
@@ -158,6 +154,20 @@ def train(cfg: RunConfig) -> Path:
         rewards.close()
         if mode is not None:
             mode.close()
+
+
+def engine_context(cfg: RunConfig, data: RunData, tokenizer, context: int, mode: RolloutMode | None) -> int:
+    """The engines' max_seq_len: the longest prompt (with what a rollout mode adds) plus the
+    response budget, within the model's context; a multi-turn mode learns it too."""
+    overhead = mode.prompt_overhead(tokenizer) if mode is not None else 0
+    if overhead is not None:  # e.g. the tools' descriptions
+        data.max_prompt_len += overhead
+    max_seq_len = min(context, data.max_prompt_len + cfg.rollout.rollout_max_response_len + 1)
+    if overhead is None:  # an agent writes its own prompts
+        max_seq_len = context
+    if mode is not None and hasattr(mode, "max_seq_len"):  # conversations stop before they outgrow it
+        mode.max_seq_len = max_seq_len
+    return max_seq_len
 
 
 def run_loop(run: Run) -> Path:
@@ -173,10 +183,10 @@ def _run_steps(run: Run) -> Path:
     log_memory_at_start(run)
     last_eval = float("nan")
     feed = RolloutFeed(run)
-    if start == 0 and run.data.eval_items:
+    if start == 0 and run.eval_sets:
         initial = feed.evaluate()
         run.metrics.log(-1, initial)
-        last_eval = initial["eval_accuracy"]
+        last_eval = initial.get("eval_accuracy", last_eval)
     feed.load_state_dict(resumed)
     if run.speculation is not None:
         run.speculation.load_state_dict(resumed.get("draft"))
@@ -209,7 +219,7 @@ def _run_steps(run: Run) -> Path:
             **memory_step(run), **precision,
         )  # fmt: skip
         last = rollout_id == total - 1
-        if run.data.eval_items and (last or due(cfg.data.eval_interval, rollout_id)):
+        if run.eval_sets and (last or due(cfg.data.eval_interval, rollout_id)):
             step.update(feed.evaluate())
         times = run.rollout.take_times() if isinstance(run.rollout, ReportsEngineTimes) else None
         if times is not None:  # the engines' prefill/decode split of their time
@@ -378,11 +388,11 @@ class RolloutFeed:
         return per_rollout * (2 if self.pool is not None else 1)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy; with a rollout running ahead, after it, on its thread (the engine
-        serves one caller at a time)."""
+        """Every evaluation set's metrics; with a rollout running ahead, after it, on its thread
+        (the engine serves one caller at a time)."""
         run = self.run
-        args = (run.rollout, run.data.eval_items, self.cfg, run.rewards, run.mode)
-        out = evaluate(*args) if self.pool is None else self.pool.submit(evaluate, *args).result()
+        args = (run.rollout, run.eval_sets, self.cfg, run.rewards, run.mode)
+        out = evaluate_all(*args) if self.pool is None else self.pool.submit(evaluate_all, *args).result()
         if run.speculation is not None:  # the spec_* metrics of a step count its own rollout only
             run.rollout.take_spec_stats()
         return out
