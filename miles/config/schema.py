@@ -171,8 +171,20 @@ class RewardSection:
 
     rm_type: str = option(
         "auto",
-        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym",
-        choices=("auto", "exact", "boxed", "reasoning_gym"),
+        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym, or remote_rm (an "
+        "HTTP reward server at --rm-url)",
+        choices=("auto", "exact", "boxed", "reasoning_gym", "remote_rm"),
+    )
+    rm_url: str | None = option(
+        None,
+        "the reward server of --rm-type remote_rm: POST one sample (or --rm-batch-size of them), get rewards",
+    )
+    rm_batch_size: int = option(
+        1, "samples per request to --rm-url (1: slime's one-sample payload)", bounds="[1, inf)"
+    )
+    rm_max_concurrency: int = option(16, "requests to --rm-url in flight at once", bounds="[1, inf)")
+    rm_retries: int = option(
+        3, "retries of a request to --rm-url that got no answer or a 5xx", bounds="[0, inf)"
     )
     custom_rm_path: str | None = option(
         None, "module:function reward(sample) -> float (sync or async); replaces --rm-type"
@@ -189,6 +201,16 @@ class RewardSection:
         "seconds before a reward call counts as failed (reward 0) and its process is killed",
         bounds="(0, inf)",
     )
+
+    def check(self) -> None:
+        if (self.rm_type == "remote_rm") != (self.rm_url is not None):
+            raise ConfigError(
+                "--rm-type remote_rm needs --rm-url URL (the reward server)"
+                if self.rm_url is None
+                else "--rm-url is the server of --rm-type remote_rm; add --rm-type remote_rm"
+            )
+        if self.rm_url is not None and not self.rm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--rm-url {self.rm_url!r}: expected an http:// or https:// URL")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from miles.data.sample import Sample, Status
 from miles.errors import ConfigError, MilesError
 from miles.rewards.builtin import boxed_answer, exact_match
 from miles.rewards.functions import load_function
+from miles.rewards.remote import RemoteReward
 from miles.rewards.workers import RewardFailure, RewardWorkers
 
 log = logging.getLogger("miles")
@@ -47,9 +48,10 @@ class RewardRunner:
         timeout: float,
         task_dataset=None,
         num_workers: int = 4,
+        remote: RemoteReward | None = None,
     ) -> None:
         self.timeout, self.group_rm, self.task_dataset = timeout, group_rm, task_dataset
-        self.custom_path = custom_path
+        self.custom_path, self.remote = custom_path, remote
         self.workers = None
         if custom_path:
             load_function(custom_path, "--custom-rm-path")  # a bad path fails here, before any work
@@ -75,9 +77,23 @@ class RewardRunner:
         except Exception as e:  # noqa: BLE001 - a scorer's error fails this sample only
             return RewardFailure(type(e).__name__, str(e) or repr(e), traceback.format_exc())
 
+    @classmethod
+    def from_config(cls, cfg, task_dataset) -> RewardRunner:
+        """The run's rewards: --custom-rm-path, --rm-type (remote_rm: --rm-url) and their settings."""
+        rc = cfg.reward
+        remote = None
+        if rc.rm_type == "remote_rm":
+            remote = RemoteReward(
+                rc.rm_url, rc.reward_timeout, rc.rm_batch_size, rc.rm_max_concurrency, rc.rm_retries
+            )
+        return cls(rc.rm_type, rc.custom_rm_path, rc.group_rm, rc.reward_timeout, task_dataset,
+                   rc.reward_num_workers, remote)  # fmt: skip
+
     def _rewards(self, groups: Sequence[Sequence[Sample]]) -> list[Any]:
         """One raw result per sample, in order (a value or a `RewardFailure`)."""
         samples = [s for g in groups for s in g]
+        if self.remote is not None and self.workers is None:
+            return self.remote.map(samples)
         if self.workers is None:
             return [self._builtin_or_failure(s) for s in samples]
         if not self.group_rm:
@@ -117,7 +133,9 @@ class RewardRunner:
             self.first_failure = failure
         self.failure_kinds[failure.kind] += 1
         if self.failure_kinds[failure.kind] == 1:
-            where = self.custom_path or f"--rm-type {self.rm_type}"
+            where = self.custom_path or (
+                f"--rm-url {self.remote.url}" if self.remote else f"--rm-type {self.rm_type}"
+            )
             log.error(
                 "reward %s failed: %s (further failures of this kind are counted in reward_failed)%s",
                 where,

@@ -44,9 +44,7 @@ def evaluate_checkpoint(cfg: RunConfig) -> dict[str, float]:
         raise ConfigError(
             "nothing to evaluate: give --eval-size > 0 (with --task), --eval-prompt-data or --eval-config"
         )
-    reward_cfg = cfg.reward
-    rewards = RewardRunner(reward_cfg.rm_type, reward_cfg.custom_rm_path, reward_cfg.group_rm,
-                           reward_cfg.reward_timeout, data.task_dataset, reward_cfg.reward_num_workers)  # fmt: skip
+    rewards = RewardRunner.from_config(cfg, data.task_dataset)
     mode = rollout_mode(cfg) if cfg.agent.mode_flag else None
     try:
         context = registry.context_length(cfg.model.model)

@@ -96,15 +96,7 @@ def train(cfg: RunConfig) -> Path:
     data = build_data(cfg)
     if cfg.debug.debug_train_only:
         data.eval_items = []  # evaluation generates, and there is no engine
-    reward_cfg = cfg.reward
-    rewards = RewardRunner(
-        reward_cfg.rm_type,
-        reward_cfg.custom_rm_path,
-        reward_cfg.group_rm,
-        reward_cfg.reward_timeout,
-        data.task_dataset,
-        reward_cfg.reward_num_workers,
-    )
+    rewards = RewardRunner.from_config(cfg, data.task_dataset)
     keep = None
     if path := cfg.rollout.dynamic_sampling_filter_path:
         keep = (
