@@ -3,7 +3,8 @@
 POST /score scores one sample (1.0 when response == label) and misbehaves on purpose by prompt:
 "slow" answers after 5 s, "flaky" gets a 500 on its first try, "bad" gets a JSON object without a
 score, "notjson" gets plain text. POST /batch scores {"samples": [...]}; POST /constant answers 0.5
-to anything. GET /stats: what it saw.
+to anything; POST /v1/chat/completions is a judge comparing the reference and the graded answer.
+GET /stats: what it saw.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/chat/completions":  # a judge that compares the two answers it is shown
+            question = body["messages"][-1]["content"]
+            label = question.split("Reference answer:\n")[1].split("\n")[0]
+            response = question.split("Answer to grade:\n")[1].split("\n")[0]
+            reply = "I cannot tell." if response == "ramble" else f"Compared. SCORE: {int(label == response)}"
+            answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
+            self._send(200, json.dumps(answer).encode())
+            return
         if self.path == "/constant":  # one number, whatever was asked
             self._send(200, b"0.5")
             return

@@ -81,7 +81,7 @@ def test_remote_flags_are_checked():
     base = ["--config", str(DEFAULT_YAML)]
     with pytest.raises(ConfigError, match="needs --rm-url"):
         load_config([*base, "--rm-type", "remote_rm"])
-    with pytest.raises(ConfigError, match="add --rm-type remote_rm"):
+    with pytest.raises(ConfigError, match="server of --rm-type remote_rm or llm_judge"):
         load_config([*base, "--rm-url", "http://127.0.0.1:1/x"])
     with pytest.raises(ConfigError, match="http:// or https://"):
         load_config([*base, "--rm-type", "remote_rm", "--rm-url", "127.0.0.1:1"])
@@ -90,3 +90,17 @@ def test_remote_flags_are_checked():
     )
     runner = RewardRunner.from_config(cfg, None)
     assert runner.remote.url == "http://127.0.0.1:1/x" and runner.remote.batch_size == 8
+
+
+def test_an_llm_judge_on_an_openai_compatible_server(server, tmp_path):
+    cfg = load_config(["--config", str(DEFAULT_YAML), "--rm-type", "llm_judge", "--rm-url", server + "/v1"])
+    runner = RewardRunner.from_config(cfg, None)
+    samples = [sample("q1", "4", "4"), sample("q2", "5", "4"), sample("q3", "ramble", "4")]
+    assert runner.score_groups([samples]) == 1
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0]
+    assert (
+        "MalformedVerdict" in samples[2].metadata["reward_error"]
+        and "I cannot tell" in samples[2].metadata["reward_error"]
+    )
+    with pytest.raises(ConfigError, match="--judge-template"):
+        load_config(["--config", str(DEFAULT_YAML), "--judge-template", str(tmp_path / "none.txt")])

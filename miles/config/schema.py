@@ -171,13 +171,20 @@ class RewardSection:
 
     rm_type: str = option(
         "auto",
-        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym, or remote_rm (an "
-        "HTTP reward server at --rm-url)",
-        choices=("auto", "exact", "boxed", "reasoning_gym", "remote_rm"),
+        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym; remote_rm (an HTTP "
+        "reward server at --rm-url) or llm_judge (a judge model behind the OpenAI-compatible --rm-url)",
+        choices=("auto", "exact", "boxed", "reasoning_gym", "remote_rm", "llm_judge"),
     )
     rm_url: str | None = option(
         None,
-        "the reward server of --rm-type remote_rm: POST one sample (or --rm-batch-size of them), get rewards",
+        "remote_rm: the reward server (POST one sample, or --rm-batch-size of them, get rewards); llm_judge: the "
+        "judge's OpenAI-compatible base URL, e.g. http://127.0.0.1:30000/v1 (miles serve answers there)",
+    )
+    judge_model: str = option("judge", "llm_judge: the model name sent to the judge's server")
+    judge_template: str | None = option(
+        None,
+        "llm_judge: a text file with the question put to the judge ({prompt}, {response}, {label} are filled in); "
+        "the judge must end with 'SCORE: 1' or 'SCORE: 0' (or a fraction). Default: a built-in grading prompt",
     )
     rm_batch_size: int = option(
         1, "samples per request to --rm-url (1: slime's one-sample payload)", bounds="[1, inf)"
@@ -203,12 +210,20 @@ class RewardSection:
     )
 
     def check(self) -> None:
-        if (self.rm_type == "remote_rm") != (self.rm_url is not None):
+        remote = self.rm_type in ("remote_rm", "llm_judge")
+        if remote != (self.rm_url is not None):
             raise ConfigError(
-                "--rm-type remote_rm needs --rm-url URL (the reward server)"
+                f"--rm-type {self.rm_type} needs --rm-url URL (its server)"
                 if self.rm_url is None
-                else "--rm-url is the server of --rm-type remote_rm; add --rm-type remote_rm"
+                else "--rm-url is the server of --rm-type remote_rm or llm_judge; add one of them"
             )
+        if self.judge_template is not None:
+            if self.rm_type != "llm_judge":
+                raise ConfigError(
+                    "--judge-template is the question of --rm-type llm_judge; add --rm-type llm_judge"
+                )
+            if not Path(self.judge_template).is_file():
+                raise ConfigError(f"--judge-template {self.judge_template}: no such file")
         if self.rm_url is not None and not self.rm_url.startswith(("http://", "https://")):
             raise ConfigError(f"--rm-url {self.rm_url!r}: expected an http:// or https:// URL")
 

@@ -13,13 +13,14 @@ import math
 import traceback
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from miles.data.sample import Sample, Status
 from miles.errors import ConfigError, MilesError
 from miles.rewards.builtin import boxed_answer, exact_match
 from miles.rewards.functions import load_function
-from miles.rewards.remote import RemoteReward
+from miles.rewards.remote import JUDGE_TEMPLATE, JudgeReward, RemoteReward
 from miles.rewards.workers import RewardFailure, RewardWorkers
 
 log = logging.getLogger("miles")
@@ -86,6 +87,10 @@ class RewardRunner:
             remote = RemoteReward(
                 rc.rm_url, rc.reward_timeout, rc.rm_batch_size, rc.rm_max_concurrency, rc.rm_retries
             )
+        elif rc.rm_type == "llm_judge":
+            template = Path(rc.judge_template).read_text() if rc.judge_template else JUDGE_TEMPLATE
+            remote = JudgeReward(rc.rm_url, rc.judge_model, template, rc.reward_timeout, rc.rm_max_concurrency,
+                                 rc.rm_retries)  # fmt: skip
         return cls(rc.rm_type, rc.custom_rm_path, rc.group_rm, rc.reward_timeout, task_dataset,
                    rc.reward_num_workers, remote)  # fmt: skip
 
