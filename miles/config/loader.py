@@ -660,7 +660,43 @@ def validate(given: RunConfig) -> RunConfig:
     validate_true_on_policy(cfg)
     validate_lora(cfg)
     validate_agents(cfg)
+    validate_opd(cfg)
     return cfg
+
+
+def validate_opd(cfg: RunConfig) -> None:
+    """On-policy distillation: the teacher is the run's one KL reference, held by the trainer in this process."""
+    algo = cfg.algo
+    if not algo.use_opd:
+        changed = [
+            f
+            for f, on in (
+                ("--opd-teacher-load", algo.opd_teacher_load),
+                ("--opd-type", algo.opd_type != "advantage"),
+            )
+            if on
+        ]
+        if changed:
+            raise ConfigError(f"{changed[0]} configures on-policy distillation; add --use-opd")
+        return
+    if not algo.opd_teacher_load:
+        raise ConfigError("--use-opd needs a teacher: --opd-teacher-load MODEL (a model as --model takes it)")
+    for flag, on in (
+        ("--use-kl-loss", algo.use_kl_loss),
+        ("--kl-coef", algo.kl_coef > 0),
+        ("--lora-rank", cfg.lora.enabled),
+    ):
+        if on:
+            raise ConfigError(
+                f"--use-opd with {flag}: the teacher is the run's KL reference; a second reference (the initial "
+                "policy, or LoRA's base) is not supported together with it"
+            )
+    ranks = cfg.sync.actor_num_nodes * cfg.sync.actor_num_gpus_per_node
+    if ranks > 1 or cfg.sglang.rollout_backend == "sglang" or (cfg.sync.rollout_num_gpus or 1) > 1:
+        raise ConfigError(
+            "--use-opd runs in one process for now (the teacher sits beside the trainer); drop the Ray/SGLang "
+            "layout flags"
+        )
 
 
 def validate_agents(cfg: RunConfig) -> None:

@@ -273,6 +273,31 @@ class AlgoSection:
         "low_var_kl", "KL estimator: k1 | k2 | k3 | low_var_kl", choices=("k1", "k2", "k3", "low_var_kl")
     )
     kl_coef: float = option(0.0, "KL penalty in the reward (REINFORCE++)", bounds="[0, inf)")
+    use_opd: bool = option(
+        False,
+        "on-policy distillation: a teacher (--opd-teacher-load) scores the policy's own samples; the per-token "
+        "reverse KL to it enters the advantage or the loss (--opd-type)",
+    )
+    opd_teacher_load: str | None = option(
+        None, "the teacher of --use-opd: a model as --model takes it (the same tokenizer and vocabulary)"
+    )
+    opd_teacher_url: str | None = option(
+        None,
+        "the teacher of --use-opd behind a server",
+        available="scoring by a teacher server is not built yet; give the teacher's weights with --opd-teacher-load",
+    )
+    opd_type: str = option(
+        "advantage",
+        "advantage: A_t -= coef * (log pi(y_t) - log pi_teacher(y_t)) on each sampled token | loss: coef * "
+        "KL(pi || pi_teacher) added to the loss (--kl-loss-type's estimator)",
+        choices=("advantage", "loss"),
+    )
+    opd_kl_coef: float = option(1.0, "weight of the reverse KL to the teacher", bounds="[0, inf)")
+    opd_topk_per_position: int | None = option(
+        None,
+        "score only the teacher's top-k tokens per position",
+        available="sparse teacher scoring is not built yet; the teacher scores every sampled token",
+    )
     gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)", bounds="[0, 1]")
     lambd: float = option(
         1.0, "GAE lambda (--advantage-estimator ppo)", aliases=("lam", "gae_lambda"), bounds="[0, 1]"

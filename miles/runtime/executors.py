@@ -83,9 +83,10 @@ def check_capabilities(cfg: RunConfig) -> None:
             )
 
 
-def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=None) -> Executor:
+def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=None, teacher=None) -> Executor:
     """The trainer/rollout pair for --actor-num-nodes x --actor-num-gpus-per-node training ranks
-    and --rollout-num-gpus engine devices, and the weight sync between them."""
+    and --rollout-num-gpus engine devices, and the weight sync between them. `teacher`
+    (--use-opd, one process only): the trainer's KL reference."""
     check_capabilities(cfg)
     sync_cfg, rollout_cfg = cfg.sync, cfg.rollout
     ranks, devices = (
@@ -104,7 +105,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
     policy.to(resolve_device(cfg.model.device))  # one process: trainer and engine share its device
     if cfg.debug.debug_train_only:  # no engine: the samples come from saved rollouts (one process only)
         replay = ReplayRollout(tokenizer)
-        return Executor(local_trainer(cfg, policy), replay, NoSync(replay))
+        return Executor(local_trainer(cfg, policy, teacher), replay, NoSync(replay))
     slots = rollout_cfg.rollout_max_batch_size
     engine = Engine(
         prepare_rollout_model(copy.deepcopy(policy), cfg),
@@ -116,7 +117,7 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         **rollout_cfg.decode_options(),
     )
     log.info("rollout engine decode step: %s", engine.decode_path)
-    trainer = local_trainer(cfg, policy)
+    trainer = local_trainer(cfg, policy, teacher)
     return with_adapters_served(cfg, Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine)))
 
 
@@ -130,10 +131,14 @@ def with_adapters_served(cfg: RunConfig, executor: Executor) -> Executor:
     return executor
 
 
-def local_trainer(cfg: RunConfig, policy) -> PolicyTrainer:
-    """The trainer in this process, on --device (an in-process engine shares the device)."""
-    policy.to(resolve_device(cfg.model.device))
-    return PolicyTrainer(prepare_train_model(policy, cfg), cfg)
+def local_trainer(cfg: RunConfig, policy, reference=None) -> PolicyTrainer:
+    """The trainer in this process, on --device (an in-process engine shares the device);
+    `reference`: its KL reference when not a copy of the policy (the --use-opd teacher)."""
+    device = resolve_device(cfg.model.device)
+    policy.to(device)
+    return PolicyTrainer(
+        prepare_train_model(policy, cfg), cfg, reference.to(device) if reference is not None else None
+    )
 
 
 def build_sglang_executor(cfg: RunConfig, policy, tokenizer, ranks: int) -> Executor:

@@ -86,9 +86,19 @@ def loss_denominator(samples: Sequence[Sample], agg: str) -> float:
 
 
 def needs_reference(cfg: RunConfig) -> bool:
-    """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward)."""
+    """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward), and
+    for on-policy distillation (the reference is then the teacher)."""
     algo = cfg.algo
-    return (algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0
+    return (algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0 or algo.use_opd
+
+
+def kl_loss_coef(cfg: RunConfig) -> float:
+    """The weight of the KL-to-reference loss term (0: none): --kl-loss-coef, or --opd-kl-coef
+    with --opd-type loss (the reference is the teacher)."""
+    algo = cfg.algo
+    if algo.use_opd:
+        return algo.opd_kl_coef if algo.opd_type == "loss" else 0.0
+    return algo.kl_loss_coef if algo.use_kl_loss else 0.0
 
 
 PEAK_KEY = {False: "peak_rss", True: "cuda_max_allocated"}  # what --memory-budget-gb bounds, by device
@@ -286,13 +296,16 @@ class PolicyTrainer:
             remaining = [i for part in rest for i in part]
 
     @torch.no_grad()
-    def logprobs(self, samples: Sequence[Sample], model: Transformer | None = None) -> list[torch.Tensor]:
-        """Per-sample response log-probs under `model` (default: the policy), micro-batched."""
+    def logprobs(
+        self, samples: Sequence[Sample], model: Transformer | None = None, replay: bool = True
+    ) -> list[torch.Tensor]:
+        """Per-sample response log-probs under `model` (default: the policy), micro-batched;
+        `replay`: with --use-r3, through the experts the rollout chose (not for a teacher)."""
         model = model or self.model
         out: list[torch.Tensor | None] = [None] * len(samples)
         for part in self.micro_batches(range(len(samples)), samples):
             chunk = [samples[i] for i in part]
-            batch = pack_samples(chunk, self.cfg.algo.use_r3, shares_prompts(self.cfg))
+            batch = pack_samples(chunk, self.cfg.algo.use_r3 and replay, shares_prompts(self.cfg))
             logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
             for b, (i, s) in enumerate(zip(part, chunk)):
                 out[i] = logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone()
@@ -309,7 +322,10 @@ class PolicyTrainer:
         if self.lora_reference:
             with lora.disabled(self.model):
                 return self.logprobs(samples)
-        return self.logprobs(samples, self.ref_model) if self.ref_model is not None else None
+        if self.ref_model is None:
+            return None
+        # a teacher (--use-opd) routes its own experts; the initial policy's copy replays the rollout's
+        return self.logprobs(samples, self.ref_model, replay=not self.cfg.algo.use_opd)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.all_sum is None:
@@ -322,7 +338,7 @@ class PolicyTrainer:
         # With one optimizer step per rollout every micro-batch runs before the update, so the
         # "old" log-probs are the forward's own (detached): no extra forward pass.
         old = self.logprobs(samples) if cfg.train.num_steps_per_rollout > 1 else [None] * len(samples)
-        ref = self.reference_logprobs(samples)
+        ref = self.reference_logprobs(samples) if kl_loss_coef(cfg) > 0 else None
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
 
@@ -482,9 +498,9 @@ class PolicyTrainer:
             with torch.no_grad():
                 ent = aggregate(entropy_of(logits.detach()), mask, agg, norm, denominator)
         parts["entropy"] = float(ent.detach())
-        if ref is not None and algo.use_kl_loss and algo.kl_loss_coef > 0:
+        if ref is not None and (coef := kl_loss_coef(self.cfg)) > 0:
             kl = aggregate(kl_estimate(logp, ref_t, algo.kl_loss_type), mask, agg, norm, denominator)
-            loss = loss + algo.kl_loss_coef * kl
+            loss = loss + coef * kl
             parts["kl_loss"] = float(kl.detach())
         if out.routed_experts is not None:
             loss = loss + self._moe_terms(out, batch, samples, denominator, parts)
