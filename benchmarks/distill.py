@@ -8,7 +8,7 @@ k3). Printed: held-out accuracy (greedy, 200 problems) at the start and the end,
 reverse KL to the teacher (opd_kl, nats per token) at the first and the last step.
 
     .venv/bin/python benchmarks/distill.py                 # the table of docs/distillation.md
-    .venv/bin/python benchmarks/distill.py --teacher-steps 40 --steps 20
+    .venv/bin/python benchmarks/distill.py --teacher-steps 60 --steps 20   # longer
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--teacher-steps", type=int, default=60, help="RL steps that make the teacher")
-    parser.add_argument("--steps", type=int, default=20, help="student RL steps per variant")
+    parser.add_argument("--teacher-steps", type=int, default=20, help="RL steps that make the teacher")
+    parser.add_argument("--steps", type=int, default=8, help="student RL steps per variant")
     parser.add_argument("--coef", type=float, default=1.0, help="--opd-kl-coef")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
