@@ -65,15 +65,30 @@ def arch(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="module")
+RAY_CPUS = 6  # logical: on CPU a bundle is a process, not a core (two agents x (2 ranks + 1 engine))
+
+
+@pytest.fixture
 def ray_cluster():
-    """A local Ray for one test module; 4 logical CPUs, since on CPU a bundle is a process, not
-    a core (2 ranks + 2 engines fit a 2-core machine)."""
+    """The session's local Ray, started on first use and kept: a Ray start costs seconds, and its
+    idle workers (torch already imported) serve the next test's actors. A module that needs a
+    cluster of its own shuts this one down; the next test using this fixture starts it again."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < RAY_CPUS:
+        ray.shutdown()  # a run started a smaller one (ensure_ray)
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_stopped_at_exit():
+    yield
+    import sys
+
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
 
 
 def free_port() -> int:

@@ -32,6 +32,14 @@ def dies(sample):
     os._exit(7)
 
 
+def dies_once(marker: str) -> float:
+    """Kills its process on the first call for `marker` (as an outside kill would), then answers."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(9)
+    return 1.0
+
+
 LEAKED: list[bytearray] = []
 
 

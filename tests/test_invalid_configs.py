@@ -22,6 +22,16 @@ def files(tmp_path):
 
 
 CASES = [
+    (["--fault-inject", "engine"], "--fault-inject 'engine': expected TARGET@POINT:ROLLOUT"),
+    (["--fault-inject", "gpu@rollout:1"], "TARGET is one of driver, engine, rank, reward"),
+    (["--fault-inject", "driver@train:1"], "POINT is one of rollout, step, sync, checkpoint"),
+    (
+        ["--fault-inject", "engine@rollout:1"],
+        "no engine to kill; it needs Ray engine actors: add --rollout-num-gpus 2",
+    ),
+    (["--fault-inject", "reward@rollout:1"], "no reward to kill; it needs reward worker processes"),
+    (["--fault-inject", "driver@checkpoint:1"], "writes no checkpoint; add --save DIR"),
+    (["--fault-inject", "driver@step:99"], "ROLLOUT must be below --num-rollout 1"),
     (["--eps-clip", "-1"], "--eps-clip must be in (0, 1), got -1.0"),
     (["--reward-timeout", "0"], "--reward-timeout must be > 0, got 0.0"),
     (["--reward-timeout", "-5"], "--reward-timeout must be > 0"),

@@ -11,17 +11,7 @@ from miles.multiagent import kuhn
 from tests.test_multiagent import kuhn_args
 
 
-@pytest.fixture(scope="module")
-def ray_six():
-    """Two agents, each with two training ranks and one engine: six bundles (processes)."""
-    import ray
-
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
-def test_agents_on_ray_match_the_one_process_run(ray_six, tmp_path):
+def test_agents_on_ray_match_the_one_process_run(ray_cluster, tmp_path):
     from miles.config import load_config
     from miles.run import train
     from miles.runtime.metrics import read_metrics

@@ -16,6 +16,8 @@ from tests.conftest import assert_same_run
 def two_nodes():
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():
+        ray.shutdown()  # the session's one-node cluster
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)

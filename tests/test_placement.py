@@ -72,20 +72,21 @@ def test_fit_to_ranks_keeps_the_longest_prefix_that_splits_evenly(sizes, world):
         assert sum(sizes[:m]) % world != 0
 
 
-def test_a_cluster_too_small_is_named_in_the_error():
+def test_a_cluster_too_small_is_named_in_the_error(ray_cluster):
     import ray
 
     from miles.runtime.placement import create_placement
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        with pytest.raises(MilesError, match=r"could not reserve 4 x \{'CPU': 1\}.*'CPU': 1\.0.*--colocate"):
-            create_placement(plan_layout(2, 2, colocate=False), timeout_s=2)
-        assert ray.util.placement_group_table() and all(
-            pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
-        )  # nothing left reserved
-    finally:
-        ray.shutdown()
+    before = set(ray.util.placement_group_table())
+    from tests.conftest import RAY_CPUS
+
+    bundles = RAY_CPUS + 2
+    with pytest.raises(
+        MilesError, match=rf"could not reserve {bundles} x \{{'CPU': 1\}}.*'CPU': {RAY_CPUS}\.0.*--colocate"
+    ):
+        create_placement(plan_layout(bundles // 2, bundles // 2, colocate=False), timeout_s=2)
+    mine = {k: v for k, v in ray.util.placement_group_table().items() if k not in before}
+    assert mine and all(pg["state"] == "REMOVED" for pg in mine.values())  # nothing left reserved
 
 
 def test_rendezvous_ports_are_outside_the_ephemeral_range():

@@ -2,72 +2,16 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import ray
 import torch
-import yaml
 
 from miles.config import make_config
-from miles.config.loader import _flatten_yaml
-from miles.data.run_data import build_data
 from miles.models import registry
-from miles.rewards.runner import RewardRunner
-from miles.rollout import Engine
-from miles.rollout.groups import collect_groups
+from miles.models.checkpoint import hf_state_dict
 from miles.runtime.ray_rollout import RolloutManager
-from miles.runtime.ray_train import TrainerActor, split_evenly
 from miles.train.policy_trainer import PolicyTrainer
-from miles.train.sample_advantages import compute_advantages
-from tests.conftest import DEFAULT_YAML, assert_same_run, free_port
-
-
-def test_two_ranks_two_engines_equal_one_plus_one(ray_cluster):
-    values = _flatten_yaml(yaml.safe_load(DEFAULT_YAML.read_text()), "default")
-    values.update(
-        rollout_batch_size=8, n_samples_per_prompt=4, micro_batch_size=8, eval_size=0, lr=3e-4, warmup_steps=0
-    )
-    cfg = make_config(values)
-    data = build_data(cfg)
-    rewards = RewardRunner("auto", None, False, 30.0, data.task_dataset)
-
-    # one process: 1 engine + 1 trainer
-    policy, tok = registry.load("tiny")
-    local_actor = PolicyTrainer(policy, cfg)
-    local_engine = Engine(copy.deepcopy(policy), tok, 64, max_seq_len=128)
-    # Ray: 2 engine actors + 2 training ranks
-    manager = RolloutManager("tiny", num_engines=2, max_batch_size=64, max_seq_len=128)
-    port = free_port()
-    ranks = [TrainerActor.remote(r, 2, port, cfg) for r in range(2)]
-
-    local_items = data.train.take(2 * 8)
-    for step in range(2):
-        items = local_items[step * 8 : (step + 1) * 8]
-        groups_local, _ = collect_groups(local_engine, items, cfg, rewards, step, None)
-        groups_ray, _ = collect_groups(manager, items, cfg, rewards, step, None)
-        assert [s.tokens for g in groups_local for s in g] == [s.tokens for g in groups_ray for s in g]
-
-        adv = compute_advantages(groups_local, cfg, local_actor.reference_kl)
-        local = local_actor.train([s for g in groups_local for s in g], adv)
-        samples = [s for g in groups_ray for s in g]
-        adv_ray = compute_advantages(groups_ray, cfg)
-        per_rank = ray.get(
-            [
-                r.train.remote(s, a)
-                for r, s, a in zip(ranks, split_evenly(samples, 2), split_evenly(adv_ray, 2))
-            ]
-        )
-        for key in ("pg_loss", "grad_norm", "entropy", "train_rollout_logprob_abs_diff"):
-            assert sum(m[key] for m in per_rank) / 2 == pytest.approx(local[key], rel=1e-4, abs=1e-6), key
-
-        states = ray.get([r.state_dict.remote() for r in ranks])
-        for name, want in policy.state_dict().items():
-            assert torch.equal(states[0][name], states[1][name])  # ranks stay identical
-            assert (states[0][name] - want).abs().max() < 1e-5, name
-        local_engine.update_weights(list(policy.state_dict().items()), version=step + 1)
-        manager.update_weights(states[0].items(), version=step + 1)
-    ray.get([r.shutdown.remote() for r in ranks])
+from tests.conftest import assert_same_run, free_port
 
 
 def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_run):
@@ -126,39 +70,21 @@ def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path, local_run):
 
 
 def test_training_rank_failure_stops_cleanly_and_resumes(ray_cluster, tmp_path, local_run):
-    """Kill a training rank mid-run: the run stops with one clear message; --load resumes it and
-    finishes with the metrics of an undisturbed run (the one-process run, which an undisturbed
-    2-rank run equals: test_miles_train_on_ray_matches_the_local_run)."""
+    """A training rank killed at step 2 (--fault-inject): the run stops with one clear message;
+    --load resumes it (the fault fired once) and finishes with the metrics of an undisturbed run
+    (the one-process run, which an undisturbed 2-rank run equals: test_miles_train_on_ray_...)."""
     from miles.config import load_config
     from miles.errors import MilesError
-    from miles.runtime import ray_train
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
     args = small_run_args(tmp_path / "run", 4) + [
-        "--actor-num-gpus-per-node",
-        "2",
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--save-interval",
-        "1",
-    ]
-    real_train = ray_train.RayTrainer.train
-    calls = {"n": 0}
-
-    def dying_train(self, samples, advantages):
-        calls["n"] += 1
-        if calls["n"] == 3:  # third step: one rank dies
-            ray.kill(self.ranks[1])
-        return real_train(self, samples, advantages)
-
-    ray_train.RayTrainer.train = dying_train
-    try:
-        with pytest.raises(MilesError, match="a training rank died during the step.*--load"):
-            train(load_config(args))
-    finally:
-        ray_train.RayTrainer.train = real_train
+        "--actor-num-gpus-per-node", "2", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+        "--fault-inject", "rank@step:2",
+    ]  # fmt: skip
+    with pytest.raises(MilesError, match="a training rank died during the step.*--load"):
+        train(load_config(args))
     assert (tmp_path / "ckpt" / "latest").read_text() == "1"
     train(load_config(args + ["--load", str(tmp_path / "ckpt")]))
     got = read_metrics(tmp_path / "run")
@@ -278,9 +204,9 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path, local_
 
 
 def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
-    """--sync-transport broadcast: the trainer (one rank, or rank 0 of 2 ranks) broadcasts
-    buckets over a weight-update group to every engine process (2 engines; one engine split over
-    2 tensor-parallel processes). Same run as one process, engines equal to the trainer after
+    """--sync-transport broadcast: rank 0 of 2 ranks broadcasts buckets over a weight-update
+    group to every engine process (one engine split over 2 tensor-parallel processes; one rank to
+    2 engines: the async test below). Same run as one process, engines equal to the trainer after
     every sync, and each sync sends the model once to each engine process."""
     from miles.config import load_config
     from miles.runtime.loop import train
@@ -288,23 +214,29 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     from tests.conftest import small_run_args
 
     reference = local_run(3)
-    from miles.models.checkpoint import hf_state_dict
+    common = ["--sync-transport", "broadcast", "--check-weight-update-equal", "--sync-bucket-size", "1000000"]
+    layout = [
+        "--actor-num-gpus-per-node",
+        "2",
+        "--rollout-num-gpus",
+        "2",
+        "--rollout-num-gpus-per-engine",
+        "2",
+    ]
+    train(load_config(small_run_args(tmp_path / "run", 3) + common + layout))
+    got = read_metrics(tmp_path / "run")
+    assert_same_run(reference, got, rel=1e-3)
+    assert_sent_once_per_engine_process(got, 3)
 
+
+def assert_sent_once_per_engine_process(records: list[dict], syncs: int) -> None:
+    """Each sync sent the model's payload (with 64-byte alignment) once to each of 2 engine processes."""
     hf = hf_state_dict(registry.load("tiny")[0])
     model_bytes = sum(t.numel() * t.element_size() for t in hf.values())
-    common = ["--sync-transport", "broadcast", "--check-weight-update-equal", "--sync-bucket-size", "1000000"]
-    layouts = {
-        "one_rank": ["--rollout-num-gpus", "2"],
-        "ranks_tp": ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
-    }  # fmt: skip
-    for name, layout in layouts.items():
-        train(load_config(small_run_args(tmp_path / name, 3) + common + layout))
-        got = read_metrics(tmp_path / name)
-        assert_same_run(reference, got, rel=1e-3)
-        synced = [r for r in got if "sync_moved_bytes" in r]
-        assert len(synced) == 3 and all(r["sync_buckets"] > 1 for r in synced)
-        for r in synced:  # payload (with 64-byte alignment) once per engine process
-            assert 2 * model_bytes <= r["sync_moved_bytes"] < 2 * model_bytes * 1.01
+    synced = [r for r in records if "sync_moved_bytes" in r]
+    assert len(synced) == syncs and all(r["sync_buckets"] > 1 for r in synced)
+    for r in synced:
+        assert 2 * model_bytes <= r["sync_moved_bytes"] < 2 * model_bytes * 1.01
 
 
 def test_fsdp_sharded_state_is_not_moved_by_hand(caplog):
@@ -338,17 +270,17 @@ def test_async_sync_on_ray_engines(ray_cluster, tmp_path, monkeypatch, transport
     from tests.conftest import check_async_run
 
     flags = ["--async-weight-sync", "--rollout-num-gpus", "2", "--sync-transport", transport]
-    check_async_run(tmp_path, flags + ["--check-weight-update-equal"], monkeypatch)
+    flags += ["--check-weight-update-equal", "--sync-bucket-size", "1000000"]
+    records = check_async_run(tmp_path, flags, monkeypatch)
+    if transport == "broadcast":  # one rank sends to 2 engines
+        assert_sent_once_per_engine_process(records, 5)
 
 
 def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypatch):
-    """`miles train` with 2 engine actors; one is killed after the first step: the run finishes
-    every step with the full sample count, and the restart shows in the metrics. The engines
-    decode speculatively with a draft trained online: its weights reach every engine (the
-    restarted one too) and each step reports the engines' merged acceptance counts."""
-    import threading
-    import time
-
+    """`miles train` with 2 engine actors; one is killed while rollout 1 generates (--fault-inject):
+    the run finishes every step with the full sample count, and the restart shows in the metrics.
+    The engines decode speculatively with a draft trained online: its weights reach every engine
+    (the restarted one too) and each step reports the engines' merged acceptance counts."""
     from miles.config import load_config
     from miles.runtime import loop
     from miles.runtime.metrics import read_metrics
@@ -363,30 +295,9 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
         managers.append(self)
 
     monkeypatch.setattr(RolloutManager, "__init__", capture)
-    cfg = load_config(
-        small_run_args(tmp_path, 4)
-        + [
-            "--rollout-num-gpus",
-            "2",
-            "--check-weight-update-equal",
-            "--draft-model",
-            "auto",
-            "--online-sft-interval",
-            "1",
-            "--no-spec-adaptive",
-        ]
-    )
-    run = threading.Thread(target=loop.train, args=(cfg,))
-    run.start()
-    deadline = time.time() + 120
-    while (
-        not (tmp_path / "metrics.jsonl").exists()
-        or '"rollout": 0' not in (tmp_path / "metrics.jsonl").read_text()
-    ):
-        assert time.time() < deadline and run.is_alive()
-        time.sleep(0.05)
-    ray.kill(managers[0].actors[1], no_restart=False)
-    run.join(timeout=300)
+    flags = ["--rollout-num-gpus", "2", "--check-weight-update-equal", "--fault-inject", "engine@rollout:1"]
+    flags += ["--draft-model", "auto", "--online-sft-interval", "1", "--no-spec-adaptive"]
+    loop.train(load_config(small_run_args(tmp_path, 4) + flags))
     rows = [r for r in read_metrics(tmp_path) if r["rollout"] >= 0]
     assert [r["rollout"] for r in rows] == list(range(4))
     assert all(r["train_samples"] == 16 and "pg_loss" in r for r in rows)  # 4 prompts x 4 samples

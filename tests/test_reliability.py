@@ -67,6 +67,19 @@ def test_a_hung_call_does_not_block_the_calls_after_it(tmp_path):
     assert all(not w.process.is_alive() for w in runner.workers.workers)
 
 
+def test_a_worker_killed_mid_call_runs_the_call_again(tmp_path):
+    """A worker killed from outside (a fault, the OOM killer) costs no result: the call runs once
+    more on a fresh worker. A call that kills its worker every time fails (`dies` below)."""
+    from miles.rewards.workers import RewardWorkers
+
+    workers = RewardWorkers("tests.reward_fixtures:dies_once", 2, 30.0)
+    try:
+        assert workers.map([(str(tmp_path / f"marker{i}"),) for i in range(3)]) == [1.0] * 3
+    finally:
+        workers.close()
+    assert workers.replaced == 3
+
+
 @pytest.mark.parametrize(
     "func, kind, shown",
     [

@@ -661,7 +661,39 @@ def validate(given: RunConfig) -> RunConfig:
     validate_lora(cfg)
     validate_agents(cfg)
     validate_opd(cfg)
+    validate_faults(cfg)
     return cfg
+
+
+def validate_faults(cfg: RunConfig) -> None:
+    """A fault must name a part this run has, at a point it reaches."""
+    from miles.faults import parse_fault
+
+    sync = cfg.sync
+    ray_ranks = sync.actor_num_nodes * sync.actor_num_gpus_per_node > 1 or (sync.rollout_num_gpus or 1) > 1
+    ray_engines = ray_ranks and cfg.sglang.rollout_backend != "sglang" and not cfg.debug.debug_train_only
+    needs = {
+        "engine": (ray_engines, "Ray engine actors: add --rollout-num-gpus 2"),
+        "rank": (ray_ranks, "Ray training ranks: add --actor-num-gpus-per-node 2"),
+        "reward": (bool(cfg.reward.custom_rm_path), "reward worker processes: add --custom-rm-path"),
+        "driver": (True, ""),
+    }
+    for spec in cfg.debug.fault_inject:
+        fault = parse_fault(spec)
+        has, what = needs[fault.target]
+        if not has:
+            raise ConfigError(
+                f"--fault-inject {spec}: this run has no {fault.target} to kill; it needs {what}"
+            )
+        if cfg.co_evolution.env_path:
+            raise ConfigError(f"--fault-inject {spec}: multi-agent runs (--env-path) take no faults yet")
+        if fault.point == "checkpoint" and not cfg.checkpoint.save:
+            raise ConfigError(f"--fault-inject {spec}: the run writes no checkpoint; add --save DIR")
+        if fault.rollout >= cfg.rollout.num_rollout:
+            raise ConfigError(
+                f"--fault-inject {spec}: the fault would never fire; ROLLOUT must be below --num-rollout "
+                f"{cfg.rollout.num_rollout}"
+            )
 
 
 def validate_opd(cfg: RunConfig) -> None:

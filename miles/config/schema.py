@@ -906,6 +906,11 @@ class DebugSection:
     mismatch_dump_samples: int = option(
         4, "samples each --mismatch-dump-interval dump keeps", bounds="[1, inf)"
     )
+    fault_inject: list = option(
+        [],
+        "kill a part of the job on purpose to test recovery, as TARGET@POINT:ROLLOUT (repeatable): TARGET driver, "
+        "engine, rank or reward; POINT rollout, step, sync or checkpoint; e.g. engine@rollout:3 (miles/runtime/faults.py)",
+    )
 
     def check(self) -> None:
         if self.save_debug_rollout_data and "{rollout_id}" not in self.save_debug_rollout_data:
@@ -920,6 +925,10 @@ class DebugSection:
             )
         if self.debug_train_only and self.debug_rollout_only:
             raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other")
+        from miles.faults import parse_fault
+
+        for spec in self.fault_inject:
+            parse_fault(spec)
         if self.mismatch_dump_samples != 4 and not self.mismatch_dump_interval:
             raise ConfigError(
                 "--mismatch-dump-samples sizes the dumps of --mismatch-dump-interval; add --mismatch-dump-interval N"

@@ -8,6 +8,7 @@ where it stopped, with the same order.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -97,7 +98,6 @@ def file_prompts(
 
 def task_prompts(task: str, size: int, seed: int, config: dict[str, Any]) -> tuple[list[PromptItem], Any]:
     """`size` problems of a reasoning-gym task, and the dataset object (its scorer)."""
-    import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
     if task not in DATASETS:
@@ -107,13 +107,23 @@ def task_prompts(task: str, size: int, seed: int, config: dict[str, Any]) -> tup
         hint = f"close names: {close[:5]}" if close else f"it has {len(names)} tasks, e.g. {names[:3]}"
         raise ConfigError(f"--task {task!r} is not a reasoning-gym task; {hint}")
     try:
-        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
+        dataset, entries = _generate(task, size, seed, json.dumps(config, sort_keys=True))
     except KeyError as e:
         raise ConfigError(f"--task {task!r} is not a reasoning-gym task ({e})") from e
     except (TypeError, ValueError, AssertionError) as e:
         raise ConfigError(f"--task {task}: bad task_config {config} ({e})") from e
-    items = [PromptItem(e["question"], e["answer"], {"rg_entry": e}) for e in dataset]
+    items = [PromptItem(e["question"], e["answer"], {"rg_entry": e}) for e in entries]
     return items, dataset
+
+
+@functools.lru_cache(maxsize=8)
+def _generate(task: str, size: int, seed: int, config_json: str) -> tuple[Any, tuple[dict, ...]]:
+    """The dataset and its entries, kept per process: generating the default 20,000 problems
+    takes about a second, and runs in one process (a notebook, a sweep) ask for the same ones."""
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **json.loads(config_json))
+    return dataset, tuple(dataset)
 
 
 class PromptStream:

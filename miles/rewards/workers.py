@@ -92,14 +92,16 @@ def _serve(path: str, conn: Connection, flag: str, limits: Limits | None) -> Non
             _confine(limits)
     except BaseException as e:  # noqa: BLE001 - reported with every call
         func, import_error = None, RewardFailure(type(e).__name__, str(e), traceback.format_exc())
-    conn.send(("ready", None))  # the import's time is not part of any call's timeout
+    if not _send(conn, ("ready", None)):  # the import's time is not part of any call's timeout
+        return
     while True:
         try:
             args = conn.recv()
         except (EOFError, OSError):
             return
         if import_error is not None:
-            conn.send(("error", import_error))
+            if not _send(conn, ("error", import_error)):
+                return
             continue
         try:
             _cpu_limit(limits)
@@ -109,9 +111,22 @@ def _serve(path: str, conn: Connection, flag: str, limits: Limits | None) -> Non
         except BaseException as e:  # noqa: BLE001 - everything the user code raises is reported
             reply = ("error", RewardFailure(type(e).__name__, str(e) or repr(e), traceback.format_exc()))
         try:
-            conn.send(reply)
+            sent = _send(conn, reply)
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            conn.send(("error", RewardFailure("BadResult", f"the reward's result cannot be sent back ({e})")))
+            sent = _send(
+                conn, ("error", RewardFailure("BadResult", f"the reward's result cannot be sent back ({e})"))
+            )
+        if not sent:
+            return
+
+
+def _send(conn: Connection, message: tuple) -> bool:
+    """Send to the parent; False when it has gone (a pool closed or a call given up), so the worker exits quietly."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return False
+    return True
 
 
 class _Worker:
@@ -162,6 +177,7 @@ class RewardWorkers:
         idle = [w for w in self.workers if w.ready]
         starting = {w.conn: w for w in self.workers if not w.ready}
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        died: set[int] = set()  # calls whose worker died once
         while pending or busy:
             while pending and idle:
                 worker = idle.pop()
@@ -199,9 +215,14 @@ class RewardWorkers:
                 except (EOFError, OSError):
                     worker.process.join(timeout=5)  # its exit code
                     code = worker.process.exitcode
-                    results[index] = RewardFailure(
-                        "WorkerDied", f"the worker process exited (exit code {code}) during the call"
-                    )
+                    if index not in died:  # killed from outside (OOM killer, a fault): once more
+                        died.add(index)
+                        pending.appendleft((index, calls[index]))
+                    else:  # the call itself kills its process
+                        results[index] = RewardFailure(
+                            "WorkerDied",
+                            f"the worker process exited (exit code {code}) during the call, twice",
+                        )
                     self._replace(worker, starting)
             now = time.monotonic()
             for conn, (worker, index, deadline) in list(busy.items()):

@@ -7,6 +7,7 @@ of `miles.runtime.executors`); `run_loop` drives it through the interfaces of
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +27,7 @@ from miles.data.run_data import RunData, build_data
 from miles.diagnostics.memory import describe_bytes, memory_metrics, step_peak_memory
 from miles.diagnostics.mismatch_dump import save_dump
 from miles.errors import ConfigError, MilesError
+from miles.faults import FaultInjector
 from miles.lora.peft_files import export_lora
 from miles.models import registry
 from miles.models.checkpoint import save_model
@@ -71,6 +73,7 @@ class Run:
     speculation: OnlineDraft | None = None  # --draft-model: spec_* metrics, online draft training
     mode: RolloutMode | None = None  # multi-turn agent rollouts (--tool-path, --agent-path, ...)
     eval_sets: list[EvalSet] = field(default_factory=list)  # the held-out set and --eval-config's
+    faults: FaultInjector | None = None  # --fault-inject
 
 
 def train(cfg: RunConfig) -> Path:
@@ -137,6 +140,9 @@ def train(cfg: RunConfig) -> Path:
                 executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic, mode=mode,
                 eval_sets=eval_sets_of(cfg, data),
             )  # fmt: skip
+            if cfg.debug.fault_inject:
+                run.faults = FaultInjector(cfg.debug.fault_inject, run_dir)
+                run.faults.bind(executor.trainer, executor.rollout, rewards)
             if cfg.speculative.draft_model:
                 run.speculation = OnlineDraft(
                     cfg.speculative, executor.rollout, draft, lambda: rebuild_draft(run)
@@ -201,6 +207,7 @@ def _run_steps(run: Run) -> Path:
         precision = switch_precision(run, rollout_id)
         t0 = time.perf_counter()
         with profiler.phase("miles.rollout"):
+            reach(run, "rollout", rollout_id)
             groups, step = feed.next(rollout_id)
         t1 = time.perf_counter()
         if groups and not cfg.debug.debug_rollout_only:
@@ -232,7 +239,10 @@ def _run_steps(run: Run) -> Path:
                 state["draft"] = run.speculation.state_dict()
             if run.critic is not None:
                 state["critic"] = run.critic.state_dict()
-            save_checkpoint(cfg.checkpoint.save, rollout_id, {"model": run.policy}, run.tokenizer, state)
+            save_checkpoint(
+                cfg.checkpoint.save, rollout_id, {"model": run.policy}, run.tokenizer, state,
+                written=functools.partial(reach, run, "checkpoint", rollout_id),
+            )  # fmt: skip
     for done in (bar, profiler, feed, run.metrics):
         done.close()
     if cfg.checkpoint.save_hf:
@@ -248,6 +258,12 @@ def _run_steps(run: Run) -> Path:
         else:
             save_model(run.policy, cfg.checkpoint.save_hf, tokenizer=run.tokenizer)
     return run.run_dir
+
+
+def reach(run: Run, point: str, rollout_id: int) -> None:
+    """A point --fault-inject may name: its faults for this rollout fire here."""
+    if run.faults is not None:
+        run.faults.reach(point, rollout_id)
 
 
 def check_finite_weights(model: torch.nn.Module, name: str) -> None:
@@ -430,6 +446,7 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
         return kl
 
     with profiler.phase("miles.train"):
+        reach(run, "step", rollout_id)
         samples = [s for g in groups for s in g]
         if due(cfg.debug.mismatch_dump_interval, rollout_id):  # before training: the generating weights
             dump_for_localization(run, samples, rollout_id)
@@ -452,6 +469,7 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
     check_training(cfg, metrics, rollout_id)
     if due(cfg.sync.update_weights_interval, rollout_id):
         with profiler.phase("miles.sync"):
+            reach(run, "sync", rollout_id)
             sync = run.sync.push(rollout_id + 1)
         metrics.update(
             sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds

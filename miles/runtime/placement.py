@@ -83,6 +83,8 @@ def rendezvous(options: dict) -> tuple[str, int]:
     (several nodes: not the driver's)."""
     import ray
 
+    if sum(node["Alive"] for node in ray.nodes()) == 1:  # one node: the driver's; no task process to start
+        return free_address()
     where = {k: v for k, v in options.items() if k == "scheduling_strategy"}
     return ray.get(ray.remote(num_cpus=0)(free_address).options(**where).remote())
 

@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    save_dir: str | Path, rollout_id: int, models: Mapping[str, Any], tokenizer, state: dict[str, Any]
+    save_dir: str | Path,
+    rollout_id: int,
+    models: Mapping[str, Any],
+    tokenizer,
+    state: dict[str, Any],
+    written: Callable[[], None] | None = None,
 ) -> Path:
     """SAVE/iter_<rollout>, written whole or not at all: each model as an HF checkpoint in its
     subdirectory ({"model": policy} for one policy, {"agents/a": ...} for several) and the
-    trainer state; then `latest` names it (atomically)."""
+    trainer state; then `latest` names it (atomically). `written`: called once the models are
+    on disk and the checkpoint is not yet complete (fault injection)."""
     save_dir = Path(save_dir)
     final = save_dir / f"iter_{rollout_id:07d}"
     with atomic_directory(final) as tmp:
@@ -52,6 +58,8 @@ def save_checkpoint(
                 save_adapter(model, tmp / folder)
             else:
                 save_model(model, tmp / folder, tokenizer=tokenizer)
+        if written is not None:
+            written()
         torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "trainer_state.pt")
     mark_latest(save_dir, rollout_id)
     return final
