@@ -23,9 +23,9 @@ from miles.rollout.sglang_client import ServerError, SGLangRollout
 from tests.conftest import ROOT, comparable, small_run_args
 
 
-def start_server(seed: int = 0) -> tuple[subprocess.Popen, str]:
+def start_server(seed: int = 0, port: int = 0) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "miles.cli", "serve", "--model", "tiny", "--port", "0", "--rollout-seed", str(seed),
+        [sys.executable, "-m", "miles.cli", "serve", "--model", "tiny", "--port", str(port), "--rollout-seed", str(seed),
          "--max-batch-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
@@ -71,11 +71,12 @@ def test_a_run_on_miles_serve_processes_equals_the_in_process_run(servers, tmp_p
         assert info["weight_version"] == 2
 
 
-def test_a_server_killed_mid_rollout_loses_nothing(servers, tmp_path):
+def test_a_server_killed_mid_rollout_loses_nothing_and_rejoins(servers, tmp_path):
+    """Requests in flight on a server that dies are redone on another: the same samples (the
+    same seeds) as with no failure. The next weight update goes to the servers still up; the
+    dead one, restarted on its port, loads the current weights before it serves again."""
     from miles.models.checkpoint import hf_state_dict
 
-    """Requests in flight on a server that dies are redone on another: the same samples (the
-    same seeds) as with no failure."""
     policy, tokenizer = registry.load("tiny")
     victim, url = start_server()
     requests = lambda: [  # noqa: E731
@@ -108,6 +109,21 @@ def test_a_server_killed_mid_rollout_loses_nothing(servers, tmp_path):
     for a, b in zip(got, want):
         assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5)
         assert (a.rollout_routed_experts == b.rollout_routed_experts).all()
+
+    rollout._call = original
+    rollout.update_weights(hf_state_dict(policy).items(), version=2)  # the victim is down: set aside
+    assert [s.stale for s in rollout.servers] == [True, False, False]
+    restarted, _ = start_server(port=int(url.rsplit(":", 1)[1]))
+    try:
+        again = rollout.generate(requests())
+        info = json.loads(urllib.request.urlopen(url + "/get_server_info").read())
+        assert info["weight_version"] == 2  # loaded before its first request
+        assert url in {s.metadata["server"] for s in again} and not rollout.servers[0].stale
+        assert [s.tokens for s in again] == [s.tokens for s in want]
+        assert {s.weight_versions[0] for s in again} == {2}
+    finally:
+        restarted.kill()
+        restarted.wait()
 
 
 class Fake(BaseHTTPRequestHandler):

@@ -285,8 +285,10 @@ def test_default_job_settings_run_on_a_dense_model(tmp_path):
         ["--async-weight-sync"],
         ["--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-max-response-len", "12"],
         ["--draft-model", "auto", "--online-sft-interval", "1", "--no-spec-adaptive"],  # adaptive: by timing
-    ],
-    ids=["async", "partial", "online-draft"],
+        ["--async-weight-sync", "--partial-rollout", "--over-sampling-batch-size", "6",
+         "--rollout-max-response-len", "12"],
+    ],  # fmt: skip
+    ids=["async", "partial", "online-draft", "async-partial"],
 )
 def test_resume_continues_each_mode_as_if_never_stopped(tmp_path, mode):
     """Stopped after rollout 1 and resumed, a run equals the uninterrupted one: the checkpoint

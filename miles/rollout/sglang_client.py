@@ -7,7 +7,9 @@ tokens as the in-process engine), `return_logprob` and, for MoE models, `return_
 (R3). At most --sglang-max-concurrency requests are in flight. A connection error or a 5xx
 answer is retried on the next server with exponential backoff, up to --sglang-retries times
 per server; a server that keeps failing is skipped until a request finds every other server
-down too. A 4xx answer, or a response that lacks what miles needs (token ids, one log-prob per
+down too. A server that cannot be reached for a disk weight update is set aside (the others
+take the update) and gets no requests until it is back and has loaded the current weights, so a
+server killed and restarted mid-run rejoins it; when no server takes an update the run stops. A 4xx answer, or a response that lacks what miles needs (token ids, one log-prob per
 token, routed experts of the right shape), stops the run with the server and the field named.
 
 Weights go to the servers from disk (--sglang-weight-transport disk): the trainer's tensors are
@@ -62,6 +64,10 @@ class ServerError(MilesError):
     """A server answered in a way miles cannot use (or none answered)."""
 
 
+class NoServerAnswered(ServerError):
+    """Every server tried was unreachable (connection errors, 5xx) after the retries."""
+
+
 class Unreachable(Exception):
     """A connection-level failure: the request may be redone on another server."""
 
@@ -70,6 +76,7 @@ class Unreachable(Exception):
 class Server:
     url: str
     failures: int = 0  # consecutive connection failures
+    stale: bool = False  # missed a weight update: no requests until it has loaded the current weights
 
     def __str__(self) -> str:
         return self.url
@@ -116,6 +123,7 @@ class SGLangRollout:
         self.transport, self.master_address = transport, master_address
         self.group = None  # the weight-update group, joined at the first distributed update
         self._shapes: dict[str, list[int]] = {}  # name -> shape of the last update's tensors
+        self._disk_update: dict = {}  # the last /update_weights_from_disk body, for a server that missed it
         self.server_info = {str(s): self._server_info(s) for s in self.servers}
         self.server_versions = {url: str(info.get("version")) for url, info in self.server_info.items()}
 
@@ -169,7 +177,8 @@ class SGLangRollout:
         pool = servers or self.servers
         errors = []
         for attempt in range(self.retries * len(pool)):
-            live = [s for s in pool if s.failures < self.retries] or pool  # all failing: try them all again
+            current = [s for s in pool if not s.stale] or pool
+            live = [s for s in current if s.failures < self.retries] or current  # all failing: try them all
             with self._lock:
                 server = live[next(self._turn) % len(live)]
             try:
@@ -183,7 +192,7 @@ class SGLangRollout:
                     with self._lock:
                         self.restarts += 1
                     time.sleep(self.backoff * 2 ** (attempt // len(pool)))
-        raise ServerError(f"no server answered after {len(errors)} tries; last: {errors[-1]}")
+        raise NoServerAnswered(f"no server answered after {len(errors)} tries; last: {errors[-1]}")
 
     # -- rollout ----------------------------------------------------------------------------
     @property
@@ -194,6 +203,7 @@ class SGLangRollout:
         requests = list(requests)
         if not requests:
             return []
+        self._readmit()
         with ThreadPoolExecutor(min(self.max_concurrency, len(requests))) as pool:
             return list(pool.map(self._generate_one, requests))
 
@@ -342,12 +352,41 @@ class SGLangRollout:
                 save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
                 (tmp / "config.json").write_text(json.dumps(self.model_config.to_hf_dict(), indent=2))
         body = {"model_path": str(path.resolve()), "weight_version": str(version)}
+        missed = []
         for server in self.servers:
-            out = self._with_retries(lambda s: self._call(s, "/update_weights_from_disk", body), [server])
+            try:
+                out = self._with_retries(lambda s: self._call(s, "/update_weights_from_disk", body), [server])
+            except NoServerAnswered as e:
+                missed.append((server, str(e)))
+                continue
             if not (isinstance(out, dict) and out.get("success")):
                 raise ServerError(
                     f"{server.url}/update_weights_from_disk: the server did not load {path}: {out}"
                 )
+            server.stale = False
+        if len(missed) == len(self.servers):
+            raise ServerError(f"no server took weight version {version}; last: {missed[-1][1]}")
+        for server, why in missed:
+            if not server.stale:
+                log.warning(
+                    "%s missed weight version %d (%s); it gets no requests until it is back",
+                    server,
+                    version,
+                    why,
+                )
+            server.stale = True
+        self._disk_update = body
+
+    def _readmit(self) -> None:
+        """A server set aside for a missed update serves again once it has loaded the current weights."""
+        for server in [s for s in self.servers if s.stale]:
+            try:
+                out = self._call(server, "/update_weights_from_disk", self._disk_update, timeout=self.timeout)
+            except (Unreachable, ServerError):
+                continue  # still down: ask again before the next batch
+            if isinstance(out, dict) and out.get("success"):
+                server.stale, server.failures = False, 0
+                log.warning("%s is back with weight version %s", server, self._disk_update["weight_version"])
 
     def _on_every_server(self, path: str, bodies: list[dict], while_waiting=None) -> None:
         """POST bodies[i] to server i, all at once (each call blocks until the group acts), running
@@ -416,7 +455,7 @@ class SGLangRollout:
     def states(self) -> list[dict[str, torch.Tensor]]:
         """Each server's weights, read back by name (the tensors of the last update)."""
         out = []
-        for server in self.servers:
+        for server in [s for s in self.servers if not s.stale]:  # a set-aside server serves nothing
             state = {}
             for name, shape in self._shapes.items():
                 body = {"name": name, "truncate_size": max(1, int(np.prod(shape)))}
