@@ -8,12 +8,15 @@ dies (SIGKILL) or stops on a dead rank, the soak starts it again with `--load` a
 A second phase runs on `miles serve` processes (`--rollout-backend sglang`) and kills one server
 mid-run, restarting it on the same port.
 
+A last phase runs partial rollout (in-process, and async on Ray engines) --repeats times beside
+--hogs busy processes: every run must equal the first.
+
 Printed per phase: steps, restarts, faults fired, whether every step's metrics (rewards,
 losses, gradient norms, sample counts, weight versions) equal the undisturbed run's, the data
 position, and the largest weight difference of the final checkpoints.
 
     .venv/bin/python benchmarks/soak.py                      # ~30 min on 2 CPU cores
-    .venv/bin/python benchmarks/soak.py --steps 12 --every 3 --no-server   # a few minutes
+    .venv/bin/python benchmarks/soak.py --steps 12 --every 3 --no-server --repeats 2  # a few minutes
 """
 
 from __future__ import annotations
@@ -188,14 +191,49 @@ def server_phase(tmp: Path, steps: int) -> None:
             s.kill()
 
 
+def under_load(tmp: Path, repeats: int, hogs: int) -> None:
+    """Partial rollout (in-process, and async on Ray engines) run `repeats` times while `hogs`
+    busy processes compete for the cores: where a rollout stops must not depend on timing."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    partial = ["--partial-rollout", "--over-sampling-batch-size", "16", "--rollout-temperature", "1.0"]
+    modes = {
+        "partial rollout, in-process engine": partial,
+        "async + partial rollout, 2 Ray engines": [
+            *partial,
+            "--async-weight-sync",
+            "--rollout-num-gpus",
+            "2",
+        ],
+    }
+    try:
+        for m, (name, flags) in enumerate(modes.items()):
+            runs = []
+            for i in range(repeats):
+                out = tmp / f"load_{m}_{i}"
+                until_done(job(out, 4, *flags), out)
+                runs.append(records(out))
+            same = sum(r == runs[0] for r in runs)
+            print(
+                f"{name}: {repeats} runs beside {hogs} busy processes, {same} identical to the first",
+                flush=True,
+            )
+    finally:
+        for b in busy:
+            b.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=120, help="rollouts of the Ray run")
+    parser.add_argument("--steps", type=int, default=120, help="rollouts of the Ray run (0: skip)")
     parser.add_argument("--every", type=int, default=3, help="a fault every this many rollouts")
     parser.add_argument("--server-steps", type=int, default=20, help="rollouts of the server phase")
     parser.add_argument("--no-server", action="store_true", help="skip the SGLang-backend phase")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="partial-rollout runs under CPU load (0: skip)"
+    )
+    parser.add_argument("--hogs", type=int, default=2, help="busy processes during those runs")
     args = parser.parse_args()
     layout = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]
     faults = []
@@ -203,17 +241,20 @@ def main() -> None:
         faults += ["--fault-inject", f"{FAULT_CYCLE[i % len(FAULT_CYCLE)]}:{rollout}"]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        t0 = time.time()
-        until_done(job(tmp / "ref", args.steps, *layout), tmp / "ref")
-        print(f"undisturbed Ray run: {time.time() - t0:.0f} s", flush=True)
-        t0 = time.time()
-        restarts = until_done(job(tmp / "soak", args.steps, *layout, *faults), tmp / "soak")
-        print(f"soaked Ray run: {time.time() - t0:.0f} s", flush=True)
-        compare(
-            "Ray run (driver, engine, rank and reward-worker faults)", tmp / "ref", tmp / "soak", restarts
-        )
+        if args.steps:  # 0: skip the Ray phase
+            t0 = time.time()
+            until_done(job(tmp / "ref", args.steps, *layout), tmp / "ref")
+            print(f"undisturbed Ray run: {time.time() - t0:.0f} s", flush=True)
+            t0 = time.time()
+            restarts = until_done(job(tmp / "soak", args.steps, *layout, *faults), tmp / "soak")
+            print(f"soaked Ray run: {time.time() - t0:.0f} s", flush=True)
+            compare(
+                "Ray run (driver, engine, rank and reward-worker faults)", tmp / "ref", tmp / "soak", restarts
+            )
         if not args.no_server:
             server_phase(tmp, args.server_steps)
+        if args.repeats:
+            under_load(tmp, args.repeats, args.hogs)
 
 
 if __name__ == "__main__":

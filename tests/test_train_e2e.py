@@ -285,8 +285,14 @@ def test_default_job_settings_run_on_a_dense_model(tmp_path):
         ["--async-weight-sync"],
         ["--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-max-response-len", "12"],
         ["--draft-model", "auto", "--online-sft-interval", "1", "--no-spec-adaptive"],  # adaptive: by timing
-        ["--async-weight-sync", "--partial-rollout", "--over-sampling-batch-size", "6",
-         "--rollout-max-response-len", "12"],
+        [
+            "--async-weight-sync",
+            "--partial-rollout",
+            "--over-sampling-batch-size",
+            "6",
+            "--rollout-max-response-len",
+            "12",
+        ],
     ],  # fmt: skip
     ids=["async", "partial", "online-draft", "async-partial"],
 )
@@ -324,3 +330,41 @@ def test_resume_continues_each_mode_as_if_never_stopped(tmp_path, mode):
             if "seconds" in k or "per_s" in k or k.startswith("spec_draft_time"):
                 continue  # how long, not what
             assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (ref["rollout"], k)
+
+
+def test_a_checkpoint_of_another_mode_or_format_is_said_or_refused(tmp_path, caplog):
+    """An async + partial checkpoint resumed without those modes says what it leaves unused; one
+    without the format stamp (older) loads with a warning that the resume is not exact; one of a
+    newer format is refused, naming it, and no older checkpoint is loaded in its place."""
+    import torch
+
+    from miles.errors import CheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    mode = ["--async-weight-sync", "--partial-rollout", "--over-sampling-batch-size", "6"]
+    train(
+        load_config(small_run_args(tmp_path / "a", 3) + mode + ["--save", str(ckpt), "--save-interval", "1"])
+    )
+    (ckpt / "latest").write_text("1")  # stopped after rollout 1: the rollout ahead is rollout 2's
+    with caplog.at_level("WARNING", logger="miles"):
+        train(load_config(small_run_args(tmp_path / "b", 3) + ["--load", str(ckpt)]))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "a rollout generated ahead (a --async-weight-sync run)" in said
+    assert "partial groups carried over (a --partial-rollout run)" in said
+    assert [r["rollout"] for r in read_metrics(tmp_path / "b") if "loss" in r] == [
+        2
+    ]  # resumed after rollout 1
+
+    state_file = ckpt / "iter_0000001" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["format"] == 2
+    torch.save({k: v for k, v in state.items() if k not in ("format", "ahead", "partial")}, state_file)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="miles"):
+        train(load_config(small_run_args(tmp_path / "c", 3) + mode + ["--load", str(ckpt)]))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "older format (no ahead state)" in said and "older format (no partial state)" in said
+
+    torch.save({**state, "format": 99}, state_file)
+    with pytest.raises(CheckpointError, match="newer miles \\(checkpoint format 99"):
+        train(load_config(small_run_args(tmp_path / "d", 3) + ["--load", str(ckpt)]))

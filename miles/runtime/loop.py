@@ -189,6 +189,10 @@ def _run_steps(run: Run) -> Path:
         last_eval = initial.get("eval_accuracy", last_eval)
     feed.load_state_dict(resumed)
     if run.speculation is not None:
+        if resumed and resumed.get("format", 1) < 2 and run.speculation.trainer is not None:
+            log.warning(
+                "the checkpoint is of an older format (no online draft state): the draft restarts from its file"
+            )
         run.speculation.load_state_dict(resumed.get("draft"))
     profiler = StepProfiler(
         Path(cfg.logging.profile_dir or run.run_dir / "profile") if cfg.logging.profile else None,
@@ -419,6 +423,26 @@ class RolloutFeed:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what the checkpoint carries; what it carries and this run cannot use (another
+        mode), or what this run needs and it lacks (an older checkpoint), is said once."""
+        for key, flag, here in (
+            ("ahead", "--async-weight-sync", self.pool),
+            ("partial", "--partial-rollout", self.partial),
+        ):
+            if state.get(key) is not None and here is None:
+                log.warning(
+                    "the checkpoint holds %s (a %s run); this run, without %s, does not use it",
+                    "a rollout generated ahead" if key == "ahead" else "partial groups carried over",
+                    flag,
+                    flag,
+                )
+            elif state and state.get("format", 1) < 2 and here is not None:
+                log.warning(
+                    "the checkpoint is of an older format (no %s state): the resumed %s run generates its next "
+                    "rollout afresh, so it will not equal a run that was never stopped",
+                    key,
+                    flag,
+                )
         if state.get("ahead") is not None and self.pool is not None:
             done: Future = Future()
             done.set_result(state["ahead"])

@@ -27,6 +27,15 @@ from miles.models.checkpoint import load_state_dict_into as _load_into
 
 log = logging.getLogger("miles")
 
+# trainer_state.pt's layout. 2: adds what async, partial and online-draft runs carry ("ahead",
+# "partial", "draft"); a format-1 file (no "format" key) loads, and a run of one of those modes
+# is told its next rollout is generated afresh.
+CHECKPOINT_FORMAT = 2
+
+
+class NewerCheckpoint(CheckpointError):
+    """Written by a newer miles: not damaged, so no older checkpoint is tried instead."""
+
 
 def rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -60,7 +69,10 @@ def save_checkpoint(
                 save_model(model, tmp / folder, tokenizer=tokenizer)
         if written is not None:
             written()
-        torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "trainer_state.pt")
+        torch.save(
+            {**state, "rng": rng_state(), "rollout_id": rollout_id, "format": CHECKPOINT_FORMAT},
+            tmp / "trainer_state.pt",
+        )
     mark_latest(save_dir, rollout_id)
     return final
 
@@ -104,6 +116,11 @@ def load_checkpoint(path: Path, models: Mapping[str, Any]) -> dict[str, Any]:
         state["rng"], state["rollout_id"]  # noqa: B018 - a torn or foreign file fails here
     except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not ours
         raise CheckpointError(f"{path / 'trainer_state.pt'}: cannot be read ({type(e).__name__}: {e})") from e
+    if state.get("format", 1) > CHECKPOINT_FORMAT:
+        raise NewerCheckpoint(
+            f"{path}: written by a newer miles (checkpoint format {state['format']}; this one reads up to "
+            f"{CHECKPOINT_FORMAT}); upgrade miles to resume it"
+        )
     for folder, model in models.items():
         if is_adapter_dir(path / folder) or spec_of(model) is not None:
             load_run_adapter(model, path / folder)
@@ -144,6 +161,8 @@ def load_latest(load_dir: str | Path, models: Mapping[str, Any]) -> tuple[Path, 
     for path in [latest, *older]:
         try:
             return path, load_checkpoint(path, models)
+        except NewerCheckpoint:
+            raise
         except CheckpointError as e:
             errors.append(str(e))
             log.warning("checkpoint %s cannot be loaded (%s); trying the one before it", path.name, e)
