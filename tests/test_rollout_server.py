@@ -166,7 +166,7 @@ def test_a_large_body_is_refused_before_it_is_read(server):
         reply = reply.decode()
     elapsed = time.perf_counter() - t0
     assert reply.startswith("HTTP/1.1 413") and str(MAX_BODY_BYTES) in reply
-    assert elapsed < 0.1, elapsed
+    assert elapsed < 2, elapsed  # answered at once, not after waiting for a body that never comes (10 s)
 
 
 def test_nan_weights_from_disk_are_refused_and_the_served_weights_kept(server, tmp_path):
