@@ -42,7 +42,7 @@ def test_a_teacher_equal_to_the_student_is_zero_kl_away(tmp_path):
 
 def test_opd_flags_are_checked():
     base = ["--config", str(DEFAULT_YAML)]
-    with pytest.raises(ConfigError, match="needs a teacher"):
+    with pytest.raises(ConfigError, match="needs one teacher"):
         load_config([*base, "--use-opd"])
     with pytest.raises(ConfigError, match="add --use-opd"):
         load_config([*base, "--opd-teacher-load", "tiny"])
@@ -50,7 +50,45 @@ def test_opd_flags_are_checked():
         load_config(
             [*base, "--use-opd", "--opd-teacher-load", "tiny", "--use-kl-loss", "--kl-loss-coef", "0.1"]
         )
-    with pytest.raises(ConfigError, match="not built yet"):
-        load_config([*base, "--use-opd", "--opd-teacher-url", "http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(
+            [*base, "--use-opd", "--opd-teacher-load", "tiny", "--opd-teacher-url", "http://127.0.0.1:1"]
+        )
+    with pytest.raises(ConfigError, match="--opd-teacher-url with --opd-type loss"):
+        load_config([*base, "--use-opd", "--opd-teacher-url", "http://127.0.0.1:1", "--opd-type", "loss"])
     with pytest.raises(ConfigError, match="one process"):
         load_config([*base, "--use-opd", "--opd-teacher-load", "tiny", "--rollout-num-gpus", "2"])
+
+
+def test_a_teacher_server_equals_the_teacher_beside_the_trainer(tmp_path):
+    """--opd-teacher-url on a `miles serve` process of the teacher: the same steps, to fp32
+    rounding, as --opd-teacher-load of that teacher (the server's prefill-only scores are the
+    sampled tokens' log-probs). The teacher is a dense model, so no routing tie can differ
+    between the trainer's batches and the server's single sequences."""
+    from miles.models.checkpoint import save_model
+    from miles.models.tokenizer import byte_tokenizer
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+    from tests.conftest import comparable, random_model
+    from tests.test_sglang_backend import start_server
+
+    teacher = tmp_path / "teacher"
+    save_model(random_model("llama", vocab_size=260), teacher, tokenizer=byte_tokenizer())
+    server, url = start_server(model=str(teacher))
+    try:
+        flags = ["--use-opd", "--eval-size", "0", "--opd-kl-coef", "0.1"]
+        train(
+            load_config(small_run_args(tmp_path / "local", 2) + flags + ["--opd-teacher-load", str(teacher)])
+        )
+        train(load_config(small_run_args(tmp_path / "remote", 2) + flags + ["--opd-teacher-url", url]))
+    finally:
+        server.kill()
+        server.wait()
+    local, served = (
+        comparable(read_metrics(tmp_path / "local")),
+        comparable(read_metrics(tmp_path / "remote")),
+    )
+    assert len(local) == len(served) == 2 and local[-1]["opd_kl"] > 0.1  # a teacher far from the student
+    for a, b in zip(local, served):
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -116,7 +116,17 @@ def test_concurrent_clients_share_the_engine(server):
         ({"text": "a", "bogus": 1}, "unsupported field"),
         ({"text": "a", "stream": True}, "stream"),
         ({"text": "x" * 200}, "does not fit"),
-    ],
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}, "add return_logprob"),
+        (
+            {
+                "input_ids": [1, 2],
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "logprob_start_len": -1,
+            },
+            "logprob_start_len must be",
+        ),
+    ],  # fmt: skip
 )
 def test_malformed_requests_get_400(server, body, fragment):
     status, out = call(server.url, "/generate", body)
@@ -249,3 +259,22 @@ def test_a_burst_of_200_simultaneous_clients_is_all_answered(server):
     for t in threads:
         t.join()
     assert statuses == [200] * 200
+
+
+def test_a_prefill_only_request_scores_the_input_tokens(server):
+    """max_new_tokens 0 with return_logprob (a distillation teacher's request): each token's
+    log-prob given the ones before it, equal to a full forward of the served model."""
+    from miles.algo.logprobs import token_logprobs
+
+    ids = [5, 17, 42, 99, 7, 3]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    status, out = call(server.url, "/generate", {**body, "logprob_start_len": 2})
+    assert status == 200 and out["output_ids"] == []
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids[2:]
+    with torch.no_grad():
+        logits = server.engine.model(torch.tensor([ids])).logits[0, :-1]
+        want = token_logprobs(logits, torch.tensor(ids[1:])).tolist()
+    assert [e[0] for e in entries] == pytest.approx(want[1:], abs=1e-5)
+    status, whole = call(server.url, "/generate", body)
+    assert whole["meta_info"]["input_token_logprobs"][0][0] is None  # the first token has no context

@@ -23,9 +23,9 @@ from miles.rollout.sglang_client import ServerError, SGLangRollout
 from tests.conftest import ROOT, comparable, small_run_args
 
 
-def start_server(seed: int = 0, port: int = 0) -> tuple[subprocess.Popen, str]:
+def start_server(seed: int = 0, port: int = 0, model: str = "tiny") -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "miles.cli", "serve", "--model", "tiny", "--port", str(port), "--rollout-seed", str(seed),
+        [sys.executable, "-m", "miles.cli", "serve", "--model", model, "--port", str(port), "--rollout-seed", str(seed),
          "--max-batch-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip

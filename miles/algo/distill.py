@@ -10,7 +10,10 @@ unlikely). Two ways in:
 - loss: coef * KL_est(pi || pi_T) added to the policy loss, with --kl-loss-type's estimator
   (the teacher is the trainer's KL reference).
 
-Either way the step logs `opd_kl`, the mean k1 over the trained tokens.
+Either way the step logs `opd_kl`, the mean k1 over the trained tokens. The teacher is loaded
+beside the trainer (--opd-teacher-load), or sits behind a server (--opd-teacher-url: SGLang or
+`miles serve`), which scores each sample's tokens with a prefill-only /generate request
+(max_new_tokens 0, return_logprob, logprob_start_len), as slime's sglang teacher does.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from miles.data.sample import Sample
-from miles.errors import ConfigError
+from miles.errors import ConfigError, MilesError
 
 
 def load_teacher(path: str, policy: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -35,6 +38,56 @@ def load_teacher(path: str, policy: torch.nn.Module, seed: int) -> torch.nn.Modu
             "share the policy's tokenizer"
         )
     return teacher.eval().requires_grad_(False)
+
+
+class TeacherServer:
+    """--opd-teacher-url: log pi_T of each sampled response token, from a server's
+    meta_info.input_token_logprobs. A teacher that cannot answer stops the run (there is no
+    stand-in for its log-probs)."""
+
+    def __init__(self, url: str, temperature: float, timeout: float = 600.0, retries: int = 3,
+                 concurrency: int = 16) -> None:  # fmt: skip
+        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/generate") else "/generate")
+        self.temperature, self.timeout, self.retries, self.concurrency = (
+            temperature,
+            timeout,
+            retries,
+            concurrency,
+        )
+
+    def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(samples)))) as pool:
+            return list(pool.map(self._one, samples))
+
+    def _one(self, sample: Sample) -> torch.Tensor:
+        from miles.rewards.remote import post_json
+        from miles.rewards.workers import RewardFailure
+
+        start = sample.prompt_length  # the first response token's position
+        body = {
+            "input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": start,
+            "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature, "skip_special_tokens": False},
+        }  # fmt: skip
+        answer = post_json(self.url, body, self.timeout, self.retries, 0.5)
+        if isinstance(answer, RewardFailure):
+            raise MilesError(f"--opd-teacher-url {self.url}: {answer}")
+        try:
+            entries = answer["meta_info"]["input_token_logprobs"]
+            values = [e[0] for e in entries[-sample.response_length :]]
+            tokens = [e[1] for e in entries[-sample.response_length :]]
+        except (KeyError, TypeError, IndexError) as e:
+            raise MilesError(
+                f"--opd-teacher-url {self.url}: no meta_info.input_token_logprobs in the answer ({e!r}): "
+                f"{str(answer)[:200]}"
+            ) from e
+        if tokens != sample.response_tokens or any(not isinstance(v, (int, float)) for v in values):
+            raise MilesError(
+                f"--opd-teacher-url {self.url}: the answer's input_token_logprobs do not score this sample's "
+                f"{sample.response_length} response tokens (is logprob_start_len supported?)"
+            )
+        return torch.tensor(values, dtype=torch.float32)
 
 
 def reverse_kl(samples: Sequence[Sample], teacher_logprobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

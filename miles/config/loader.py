@@ -704,6 +704,7 @@ def validate_opd(cfg: RunConfig) -> None:
             f
             for f, on in (
                 ("--opd-teacher-load", algo.opd_teacher_load),
+                ("--opd-teacher-url", algo.opd_teacher_url),
                 ("--opd-type", algo.opd_type != "advantage"),
             )
             if on
@@ -711,8 +712,19 @@ def validate_opd(cfg: RunConfig) -> None:
         if changed:
             raise ConfigError(f"{changed[0]} configures on-policy distillation; add --use-opd")
         return
-    if not algo.opd_teacher_load:
-        raise ConfigError("--use-opd needs a teacher: --opd-teacher-load MODEL (a model as --model takes it)")
+    if bool(algo.opd_teacher_load) == bool(algo.opd_teacher_url):
+        raise ConfigError(
+            "--use-opd needs one teacher: --opd-teacher-load MODEL (a model as --model takes it) or "
+            "--opd-teacher-url URL (a server)" + (", not both" if algo.opd_teacher_load else "")
+        )
+    if algo.opd_teacher_url:
+        if algo.opd_type == "loss":
+            raise ConfigError(
+                "--opd-teacher-url with --opd-type loss: the loss form needs the teacher's weights in the trainer "
+                "(--opd-teacher-load); a teacher server gives the sampled tokens' log-probs, which --opd-type "
+                "advantage uses"
+            )
+        return  # the server scores: any layout, and the trainer's KL reference stays free
     for flag, on in (
         ("--use-kl-loss", algo.use_kl_loss),
         ("--kl-coef", algo.kl_coef > 0),

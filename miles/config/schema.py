@@ -283,8 +283,8 @@ class AlgoSection:
     )
     opd_teacher_url: str | None = option(
         None,
-        "the teacher of --use-opd behind a server",
-        available="scoring by a teacher server is not built yet; give the teacher's weights with --opd-teacher-load",
+        "the teacher of --use-opd behind a server (SGLang or miles serve, its /generate): it scores each sample's "
+        "tokens with a prefill-only request; the advantage form only (--opd-type advantage)",
     )
     opd_type: str = option(
         "advantage",
@@ -366,6 +366,11 @@ class AlgoSection:
         "ties broken by expert index, so a sequence routes (and scores) bitwise the same alone, in any batch and "
         "under any padding (slower: see docs/moe.md)",
     )
+
+    @property
+    def teacher_in_trainer(self) -> bool:
+        """--use-opd with --opd-teacher-load: the trainer holds the teacher as its KL reference."""
+        return self.use_opd and bool(self.opd_teacher_load)
 
     def check(self) -> None:
         """Its own rules; --tis-threshold implies --use-tis."""

@@ -268,6 +268,21 @@ class Engine:
             freed, self.cache = self.cache.nbytes, None
             return freed
 
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """log softmax(logits / temperature) of each token after the first, given the ones before
+        it, under the served weights: one full forward per sequence, between decoding steps (the
+        prefill-only request a distillation teacher answers)."""
+        from miles.algo.logprobs import token_logprobs
+
+        out = []
+        with self._step_lock, torch.no_grad():
+            device = next(self.model.parameters()).device
+            for seq in sequences:
+                ids = torch.tensor([seq], dtype=torch.long, device=device)
+                logits = self.model(ids).logits[0, :-1]
+                out.append(token_logprobs(logits, ids[0, 1:], temperature).float().cpu())
+        return out
+
     def states(self) -> list[dict[str, torch.Tensor]]:
         """This engine's weights (one engine) and any LoRA adapter it serves, as received, for
         --check-weight-update-equal and --check-lora-weight-equal."""

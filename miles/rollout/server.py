@@ -46,6 +46,7 @@ TOP_LEVEL_KEYS = {
     "input_ids",
     "sampling_params",
     "return_logprob",
+    "logprob_start_len",
     "return_routed_experts",
     "rid",
     "stream",
@@ -387,6 +388,9 @@ class EngineServer:
             raise BadRequest(f"unsupported field(s) {sorted(unknown)}; supported: {sorted(TOP_LEVEL_KEYS)}")
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by miles serve yet")
+        raw = body.get("sampling_params")
+        if isinstance(raw, dict) and raw.get("max_new_tokens") == 0:
+            return self.score(body, raw)
         params = parse_sampling(body.get("sampling_params"))
         prompts, batch = parse_prompts(body, self.engine.tokenizer, self._max_chars())
         for p in prompts:
@@ -406,6 +410,39 @@ class EngineServer:
             )
             for s in samples
         ]
+        return out if batch else out[0]
+
+    def score(self, body: dict, raw_params: dict) -> Any:
+        """SGLang's prefill-only request (max_new_tokens 0, return_logprob): meta_info.input_token_logprobs
+        from `logprob_start_len` on, [log-prob, token id, None] per token (None for the first token,
+        which has no context), at the request's temperature (0 or none: the raw logits)."""
+        if not body.get("return_logprob"):
+            raise BadRequest("max_new_tokens 0 generates nothing; add return_logprob to score the input")
+        temperature = raw_params.get("temperature") or 1.0
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise BadRequest(f"sampling_params.temperature must be a finite number >= 0, got {temperature!r}")
+        start = body.get("logprob_start_len", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise BadRequest(f"logprob_start_len must be an integer >= 0, got {start!r}")
+        prompts, batch = parse_prompts(body, self.engine.tokenizer, self._max_chars())
+        for p in prompts:
+            if len(p) > self.engine.max_seq_len:
+                raise BadRequest(
+                    f"input of {len(p)} tokens does not fit the context of {self.engine.max_seq_len}"
+                )
+            if max(p) >= self.engine.model.config.vocab_size or min(p) < 0:
+                raise BadRequest(f"input_ids must be in [0, {self.engine.model.config.vocab_size})")
+        scored = self.engine.score([list(p) for p in prompts], float(temperature))
+        out = []
+        for ids, logprobs in zip(prompts, scored):
+            values = [None, *logprobs.tolist()]
+            meta = {
+                "id": None, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                "completion_tokens": 0, "weight_version": self.engine.weight_version,
+                "input_token_logprobs": [[values[i], ids[i], None] for i in range(min(start, len(ids)), len(ids))],
+                "output_token_logprobs": [],
+            }  # fmt: skip
+            out.append({"text": "", "output_ids": [], "meta_info": meta})
         return out if batch else out[0]
 
     def server_info(self) -> dict:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from miles.agents.modes import RolloutMode, rollout_mode
-from miles.algo.distill import distill, load_teacher
+from miles.algo.distill import TeacherServer, distill, load_teacher
 from miles.algo.filters import GroupFilter, nonconstant_reward
 from miles.config import to_dict
 from miles.config.schema import RunConfig
@@ -118,7 +118,11 @@ def train(cfg: RunConfig) -> Path:
         if cfg.speculative.draft_model
         else None
     )
-    teacher = load_teacher(cfg.algo.opd_teacher_load, policy, cfg.train.seed) if cfg.algo.use_opd else None
+    teacher = (
+        load_teacher(cfg.algo.opd_teacher_load, policy, cfg.train.seed)
+        if cfg.algo.teacher_in_trainer
+        else None
+    )
     try:
         executor = build_executor(cfg, policy, tokenizer, max_seq_len, draft=draft, teacher=teacher)
         if cfg.algo.advantage_estimator == "ppo" and critic is None:  # the training ranks hold it
@@ -482,7 +486,11 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
             advantages = compute_advantages(groups, cfg, reference_kl)
             opd = {}
             if cfg.algo.use_opd:  # the teacher's log-probs of the policy's own tokens
-                teacher = run.trainer.reference_logprobs(samples)
+                teacher = (
+                    TeacherServer(cfg.algo.opd_teacher_url, cfg.rollout.rollout_temperature).logprobs(samples)
+                    if cfg.algo.opd_teacher_url
+                    else run.trainer.reference_logprobs(samples)
+                )
                 algo = cfg.algo
                 advantages, opd = distill(
                     advantages, samples, teacher, algo.opd_kl_coef, algo.opd_type == "advantage"

@@ -89,14 +89,14 @@ def needs_reference(cfg: RunConfig) -> bool:
     """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward), and
     for on-policy distillation (the reference is then the teacher)."""
     algo = cfg.algo
-    return (algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0 or algo.use_opd
+    return (algo.use_kl_loss and algo.kl_loss_coef > 0) or algo.kl_coef > 0 or algo.teacher_in_trainer
 
 
 def kl_loss_coef(cfg: RunConfig) -> float:
     """The weight of the KL-to-reference loss term (0: none): --kl-loss-coef, or --opd-kl-coef
     with --opd-type loss (the reference is the teacher)."""
     algo = cfg.algo
-    if algo.use_opd:
+    if algo.teacher_in_trainer:
         return algo.opd_kl_coef if algo.opd_type == "loss" else 0.0
     return algo.kl_loss_coef if algo.use_kl_loss else 0.0
 
@@ -325,7 +325,7 @@ class PolicyTrainer:
         if self.ref_model is None:
             return None
         # a teacher (--use-opd) routes its own experts; the initial policy's copy replays the rollout's
-        return self.logprobs(samples, self.ref_model, replay=not self.cfg.algo.use_opd)
+        return self.logprobs(samples, self.ref_model, replay=not self.cfg.algo.teacher_in_trainer)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.all_sum is None:
