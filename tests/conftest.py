@@ -82,6 +82,26 @@ def ray_cluster():
     yield
 
 
+RAY_MODULES = {
+    "test_ray_train",
+    "test_ray_rollout",
+    "test_multiagent_ray",
+    "test_multinode",
+    "test_placement",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): every test that starts Ray
+    runs in one worker, so one cluster serves them all, and they go first, being the longest
+    group; every other module stays whole in one worker (its module fixtures start once)."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        on_ray = module in RAY_MODULES or "ray_cluster" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("ray" if on_ray else module))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "ray")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _ray_stopped_at_exit():
     yield
