@@ -91,6 +91,10 @@ RAY_MODULES = {
 }
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist runs in one worker")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): every test that starts Ray
     runs in one worker, so one cluster serves them all, and they go first, being the longest

@@ -171,9 +171,10 @@ class RewardSection:
 
     rm_type: str = option(
         "auto",
-        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym; remote_rm (an HTTP "
-        "reward server at --rm-url) or llm_judge (a judge model behind the OpenAI-compatible --rm-url)",
-        choices=("auto", "exact", "boxed", "reasoning_gym", "remote_rm", "llm_judge"),
+        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym, code (the response's "
+        "program run on the label's tests in a sandbox: the fraction passed); remote_rm (an HTTP reward server at "
+        "--rm-url) or llm_judge (a judge model behind the OpenAI-compatible --rm-url)",
+        choices=("auto", "exact", "boxed", "reasoning_gym", "code", "remote_rm", "llm_judge"),
     )
     rm_url: str | None = option(
         None,
@@ -209,7 +210,20 @@ class RewardSection:
         bounds="(0, inf)",
     )
 
+    code_timeout: float = option(
+        5.0,
+        "code: wall-clock seconds of one test run of the program (also its CPU seconds)",
+        bounds="(0, inf)",
+    )
+    code_memory_mb: int = option(512, "code: address space of one test run, in MiB", bounds="[16, inf)")
+    code_file_mb: int = option(16, "code: largest file one test run may write, in MiB", bounds="[1, inf)")
+
     def check(self) -> None:
+        code_flags = {"--code-timeout": self.code_timeout != 5.0, "--code-memory-mb": self.code_memory_mb != 512,
+                      "--code-file-mb": self.code_file_mb != 16}  # fmt: skip
+        changed = [flag for flag, on in code_flags.items() if on]
+        if changed and self.rm_type != "code":
+            raise ConfigError(f"{changed[0]} limits the programs of --rm-type code; add --rm-type code")
         remote = self.rm_type in ("remote_rm", "llm_judge")
         if remote != (self.rm_url is not None):
             raise ConfigError(

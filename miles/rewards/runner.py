@@ -2,7 +2,8 @@
 
 A user's function runs in killable worker processes (`miles.rewards.workers`): one that raises,
 hangs past --reward-timeout, exits or returns a non-number marks that sample FAILED with reward
-0 and the run goes on. The first failure of each kind is printed with its traceback, the rest
+0 and the run goes on. `--rm-type code` runs the response's program on the label's tests in
+sandboxed processes (`miles.rewards.code`). The first failure of each kind is printed with its traceback, the rest
 are counted (`reward_failed` per step); a rollout whose every reward failed stops the run.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from miles.data.sample import Sample, Status
 from miles.errors import ConfigError, MilesError
 from miles.rewards.builtin import boxed_answer, exact_match
+from miles.rewards.code import CodeLimits, code_rewards
 from miles.rewards.functions import load_function
 from miles.rewards.remote import JUDGE_TEMPLATE, JudgeReward, RemoteReward
 from miles.rewards.workers import RewardFailure, RewardWorkers
@@ -50,9 +52,11 @@ class RewardRunner:
         task_dataset=None,
         num_workers: int = 4,
         remote: RemoteReward | None = None,
+        code_limits: CodeLimits | None = None,
     ) -> None:
         self.timeout, self.group_rm, self.task_dataset = timeout, group_rm, task_dataset
         self.custom_path, self.remote = custom_path, remote
+        self.code_limits, self.num_workers = code_limits or CodeLimits(), num_workers
         self.workers = None
         if custom_path:
             load_function(custom_path, "--custom-rm-path")  # a bad path fails here, before any work
@@ -91,14 +95,17 @@ class RewardRunner:
             template = Path(rc.judge_template).read_text() if rc.judge_template else JUDGE_TEMPLATE
             remote = JudgeReward(rc.rm_url, rc.judge_model, template, rc.reward_timeout, rc.rm_max_concurrency,
                                  rc.rm_retries)  # fmt: skip
+        limits = CodeLimits(rc.code_timeout, math.ceil(rc.code_timeout), rc.code_memory_mb, rc.code_file_mb)
         return cls(rc.rm_type, rc.custom_rm_path, rc.group_rm, rc.reward_timeout, task_dataset,
-                   rc.reward_num_workers, remote)  # fmt: skip
+                   rc.reward_num_workers, remote, limits)  # fmt: skip
 
     def _rewards(self, groups: Sequence[Sequence[Sample]]) -> list[Any]:
         """One raw result per sample, in order (a value or a `RewardFailure`)."""
         samples = [s for g in groups for s in g]
         if self.remote is not None and self.workers is None:
             return self.remote.map(samples)
+        if self.workers is None and self.rm_type == "code":
+            return code_rewards(samples, self.code_limits, self.num_workers)
         if self.workers is None:
             return [self._builtin_or_failure(s) for s in samples]
         if not self.group_rm:
