@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch: OpenMP reads it once, subprocesses inherit it
+    # Each worker gets its share of the cores: two workers of two busy-waiting OpenMP threads
+    # each on 2 cores run every torch op about twice as slowly as one thread each.
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+import torch  # noqa: E402
 
 from miles.data.sample import Sample
 from miles.models import ModelConfig, Transformer
@@ -23,7 +30,7 @@ TIMING = {"rollout_time", "train_time", "step_time", "sync_seconds"}
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(min(2, int(os.environ.get("OMP_NUM_THREADS", "2")), torch.get_num_threads()))
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 

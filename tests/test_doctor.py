@@ -107,7 +107,7 @@ def test_reward_collapse_and_its_remedy(runs, healthy):
 
 
 def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
-    bad = run_job(runs, "fp8-bare", "--fp8-rollout-only", "--no-use-r3", "--no-use-tis")
+    bad = run_job(runs, "fp8-bare", "--fp8-rollout-only", "--no-use-r3", "--no-use-tis", steps=3)
     names, findings = symptoms(bad)
     assert names == {"logprob_mismatch", "routing_mismatch"}
     run = load_run(bad)
@@ -116,7 +116,7 @@ def test_fp8_rollout_mismatch_then_tis_and_r3_remove_it(runs):
     assert ["--use-tis"] in flags and ["--use-r3"] in flags
     assert_remedies_accepted(bad, findings)
     assert ["--no-fp8-rollout-only", "--fp8-recipe", "blockwise"] in flags
-    fixed = run_job(runs, "fp8-fixed", "--fp8-rollout-only", "--use-tis", "--use-r3")
+    fixed = run_job(runs, "fp8-fixed", "--fp8-rollout-only", "--use-tis", "--use-r3", steps=3)
     assert symptoms(fixed)[0] == set()
     assert load_run(fixed).median("tis_clipfrac") < THRESHOLDS["tis_clipfrac"]
     # unified FP8 removes the mismatch itself, with neither correction
