@@ -89,13 +89,11 @@ def ray_cluster():
     yield
 
 
-RAY_MODULES = {
-    "test_ray_train",
-    "test_ray_rollout",
-    "test_multiagent_ray",
-    "test_multinode",
-    "test_placement",
-}
+# Ray tests in two groups, one per pytest worker (each worker's tests share its local cluster),
+# scheduled first: together they are the longest part of the suite, and they wait on process
+# start-ups more than they compute, so two of them overlap well on 2 cores.
+RAY_GROUPS = {"test_ray_train": "ray-a", "test_multinode": "ray-a", "test_ray_rollout": "ray-b",
+              "test_multiagent_ray": "ray-b", "test_placement": "ray-b"}  # fmt: skip
 
 
 def pytest_configure(config) -> None:
@@ -103,14 +101,16 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): every test that starts Ray
-    runs in one worker, so one cluster serves them all, and they go first, being the longest
-    group; every other module stays whole in one worker (its module fixtures start once)."""
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the Ray tests in their two
+    groups first, then every other module whole in one worker (its module fixtures start once)."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
-        on_ray = module in RAY_MODULES or "ray_cluster" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("ray" if on_ray else module))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != "ray")
+        group = RAY_GROUPS.get(module) or (
+            "ray-b" if "ray_cluster" in getattr(item, "fixturenames", ()) else module
+        )
+        item.add_marker(pytest.mark.xdist_group(group))
+    order = {"ray-a": 0, "ray-b": 1}
+    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], 2))
 
 
 @pytest.fixture(scope="session", autouse=True)
