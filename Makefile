@@ -10,8 +10,9 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 STAMP      := $(VENV)/.miles-installed
 LINT_DIRS  := miles tests $(wildcard benchmarks)
-# Two pytest workers: one runs every Ray test (one cluster), the other the rest; tests wait on
-# processes (Ray actors, servers, reward workers) often enough that two share 2 cores well.
+# Two pytest workers (tests/conftest.py groups them: Ray tests first, one local cluster per
+# worker, each other module whole in one worker); tests wait on processes (Ray actors, servers,
+# reward workers) often enough that two share 2 cores well, each with its share of the threads.
 TEST_WORKERS ?= 2
 
 .PHONY: setup run test lint format clean
