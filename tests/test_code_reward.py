@@ -70,7 +70,9 @@ def test_the_reward_is_the_fraction_of_tests_passed():
     assert code_reward(right, TESTS, LIMITS)["score"] == 1.0
     got = code_reward(half, json.dumps(TESTS), LIMITS)  # a label may be the JSON text
     assert got == {"score": pytest.approx(2 / 3), "passed": 2, "tests": 3, "ok": 2, "wrong_answer": 1}
-    assert extract_program("a\n```py\nx\n```\nb\n```\ny\n```") == "y\n"  # the last fenced block
+    assert extract_program("a\n```\nx\n```\nb\n```\ny\n```") == "y\n"  # the last fenced block
+    assert extract_program("```python\nx\n```\nOutput:\n```\n7\n```") == "x\n"  # the one marked python
+    assert extract_program("Sure:\n```python\nprint(1)\nprint(") == "print(1)\nprint("  # cut at the limit
 
 
 def test_the_runner_scores_a_group_and_keeps_the_counts():

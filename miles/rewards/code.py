@@ -94,7 +94,8 @@ del hook
 sys.argv = ["program.py"]
 exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
 """
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n", re.IGNORECASE)
+_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,15 @@ class CodeLimits:
 
 
 def extract_program(response: str) -> str:
-    """The last fenced code block of the response, else the whole response."""
+    """The last fenced block marked python (else the last fenced block: an unmarked one after
+    the program is often its sample output); a block left open (a response cut at its length
+    limit) runs to the end; no block: the whole response."""
     blocks = _FENCE.findall(response)
-    return blocks[-1] if blocks else response
+    marked = [code for lang, code in blocks if lang]
+    if marked or blocks:
+        return marked[-1] if marked else blocks[-1][1]
+    opened = _OPEN_FENCE.search(response)
+    return response[opened.end() :] if opened else response
 
 
 def parse_tests(label: Any) -> list[dict[str, str]]:
