@@ -364,11 +364,28 @@ def sglang_backend() -> None:
                 break
             except OSError:
                 time.sleep(1)
+        opd_teacher_on_server(url)  # first: the run below syncs its trained weights to the server
         default_job_on_cuda(
             ["--rollout-backend", "sglang", "--sglang-url", url], "default job, SGLang server", False
         )
     finally:
         server.kill()
+
+
+def opd_teacher_on_server(url: str) -> None:
+    """--opd-teacher-url on a real SGLang server holding the student's own weights: its
+    prefill-only input_token_logprobs score the sampled tokens, so the KL is about zero."""
+    from miles.config import load_config
+    from miles.runtime.loop import train
+
+    out = Path(tempfile.mkdtemp())
+    train(load_config(["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "1",
+                       "--eval-size", "0", "--no-progress", "--device", "cuda", "--output-dir", str(out),
+                       "--use-opd", "--opd-teacher-url", url]))  # fmt: skip
+    kl = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]["opd_kl"]
+    check(
+        "OPD teacher on an SGLang server (the student itself)", abs(kl) < 0.02, f"opd_kl {kl:.2e} nats/token"
+    )
 
 
 def main() -> None:
