@@ -191,7 +191,7 @@ def server_phase(tmp: Path, steps: int) -> None:
             s.kill()
 
 
-def under_load(tmp: Path, repeats: int, hogs: int) -> None:
+def under_load(tmp: Path, repeats: int, hogs: int, which: str = "both") -> None:
     """Partial rollout (in-process, and async on Ray engines) run `repeats` times while `hogs`
     busy processes compete for the cores: where a rollout stops must not depend on timing."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
@@ -205,6 +205,8 @@ def under_load(tmp: Path, repeats: int, hogs: int) -> None:
             "2",
         ],
     }
+    if which != "both":
+        modes = {name: flags for name, flags in modes.items() if ("Ray" in name) == (which == "ray")}
     try:
         for m, (name, flags) in enumerate(modes.items()):
             runs = []
@@ -234,6 +236,9 @@ def main() -> None:
         "--repeats", type=int, default=10, help="partial-rollout runs under CPU load (0: skip)"
     )
     parser.add_argument("--hogs", type=int, default=2, help="busy processes during those runs")
+    parser.add_argument(
+        "--repeat-engines", choices=("both", "local", "ray"), default="both", help="which runs to repeat"
+    )
     args = parser.parse_args()
     layout = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]
     faults = []
@@ -254,7 +259,7 @@ def main() -> None:
         if not args.no_server:
             server_phase(tmp, args.server_steps)
         if args.repeats:
-            under_load(tmp, args.repeats, args.hogs)
+            under_load(tmp, args.repeats, args.hogs, args.repeat_engines)
 
 
 if __name__ == "__main__":
