@@ -67,12 +67,13 @@ class FaultInjector:
     def __init__(self, specs: list[str], run_dir: Path) -> None:
         self.faults = [parse_fault(s) for s in specs]
         self.record = Path(run_dir) / "faults_fired.jsonl"
+        self.fired = self._read_fired()  # by earlier lives of this run (a killed driver restarted)
         self.trainer = self.rollout = self.rewards = None
 
     def bind(self, trainer: Any = None, rollout: Any = None, rewards: Any = None) -> None:
         self.trainer, self.rollout, self.rewards = trainer, rollout, rewards
 
-    def _fired(self) -> set[str]:
+    def _read_fired(self) -> set[str]:
         if not self.record.exists():
             return set()
         return {json.loads(line)["fault"] for line in self.record.read_text().splitlines() if line.strip()}
@@ -80,9 +81,9 @@ class FaultInjector:
     def reach(self, point: str, rollout_id: int) -> None:
         if not self.faults:
             return
-        fired = self._fired()
         for fault in self.faults:
-            if fault.point == point and fault.rollout == rollout_id and fault.spec not in fired:
+            if fault.point == point and fault.rollout == rollout_id and fault.spec not in self.fired:
+                self.fired.add(fault.spec)
                 with self.record.open("a") as f:  # before the kill: a killed driver must not fire it again
                     f.write(json.dumps({"fault": fault.spec}) + "\n")
                     f.flush()

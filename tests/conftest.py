@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -267,3 +270,16 @@ def greedy(
             break
         ids, positions = torch.tensor([[token]]), positions[:, -1:] + 1
     return out
+
+
+def start_server(seed: int = 0, port: int = 0, model: str = "tiny") -> tuple[subprocess.Popen, str]:
+    """A `miles serve` process of `model` (port 0: any free one); (the process, its URL)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles.cli", "serve", "--model", model, "--port", str(port), "--rollout-seed", str(seed),
+         "--max-batch-size", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if m := re.search(r"on (http://\S+)", line):
+            return proc, m.group(1)
+    raise RuntimeError(f"miles serve did not start (exit {proc.wait()})")

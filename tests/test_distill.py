@@ -69,8 +69,7 @@ def test_a_teacher_server_equals_the_teacher_beside_the_trainer(tmp_path):
     from miles.models.tokenizer import byte_tokenizer
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
-    from tests.conftest import comparable, random_model
-    from tests.test_sglang_backend import start_server
+    from tests.conftest import comparable, random_model, start_server
 
     teacher = tmp_path / "teacher"
     save_model(random_model("llama", vocab_size=260), teacher, tokenizer=byte_tokenizer())

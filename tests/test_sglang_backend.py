@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,19 +18,7 @@ from miles.errors import MilesError
 from miles.models import registry
 from miles.rollout import Request, SamplingParams
 from miles.rollout.sglang_client import ServerError, SGLangRollout
-from tests.conftest import ROOT, comparable, small_run_args
-
-
-def start_server(seed: int = 0, port: int = 0, model: str = "tiny") -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "miles.cli", "serve", "--model", model, "--port", str(port), "--rollout-seed", str(seed),
-         "--max-batch-size", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-    )  # fmt: skip
-    for line in proc.stdout:
-        if m := re.search(r"on (http://\S+)", line):
-            return proc, m.group(1)
-    raise RuntimeError(f"miles serve did not start (exit {proc.wait()})")
+from tests.conftest import comparable, small_run_args, start_server
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ use the same names in snake_case, flat or nested by section.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,7 +210,6 @@ class RewardSection:
         "seconds before a reward call counts as failed (reward 0) and its process is killed",
         bounds="(0, inf)",
     )
-
     code_timeout: float = option(
         5.0,
         "code: wall-clock seconds of one test run of the program (also its CPU seconds)",
@@ -219,11 +219,13 @@ class RewardSection:
     code_file_mb: int = option(16, "code: largest file one test run may write, in MiB", bounds="[1, inf)")
 
     def check(self) -> None:
-        code_flags = {"--code-timeout": self.code_timeout != 5.0, "--code-memory-mb": self.code_memory_mb != 512,
-                      "--code-file-mb": self.code_file_mb != 16}  # fmt: skip
-        changed = [flag for flag, on in code_flags.items() if on]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [
+            n for n in ("code_timeout", "code_memory_mb", "code_file_mb") if getattr(self, n) != defaults[n]
+        ]
         if changed and self.rm_type != "code":
-            raise ConfigError(f"{changed[0]} limits the programs of --rm-type code; add --rm-type code")
+            flag = "--" + changed[0].replace("_", "-")
+            raise ConfigError(f"{flag} limits the programs of --rm-type code; add --rm-type code")
         remote = self.rm_type in ("remote_rm", "llm_judge")
         if remote != (self.rm_url is not None):
             raise ConfigError(

@@ -45,7 +45,7 @@ from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
 from miles.runtime.protocols import ReadsWeightsBack, ReportsEngineTimes, Rollout, SwitchesPrecision, Trainer
 from miles.runtime.speculation import OnlineDraft
-from miles.runtime.train_state import resume, save_checkpoint
+from miles.runtime.train_state import carries_mode_state, resume, save_checkpoint
 from miles.sync.strategy import WeightSync
 from miles.train.critic import Critic, value_model
 from miles.train.sample_advantages import compute_advantages
@@ -193,7 +193,7 @@ def _run_steps(run: Run) -> Path:
         last_eval = initial.get("eval_accuracy", last_eval)
     feed.load_state_dict(resumed)
     if run.speculation is not None:
-        if resumed and resumed.get("format", 1) < 2 and run.speculation.trainer is not None:
+        if resumed and not carries_mode_state(resumed) and run.speculation.trainer is not None:
             log.warning(
                 "the checkpoint is of an older format (no online draft state): the draft restarts from its file"
             )
@@ -440,7 +440,7 @@ class RolloutFeed:
                     flag,
                     flag,
                 )
-            elif state and state.get("format", 1) < 2 and here is not None:
+            elif state and not carries_mode_state(state) and here is not None:
                 log.warning(
                     "the checkpoint is of an older format (no %s state): the resumed %s run generates its next "
                     "rollout afresh, so it will not equal a run that was never stopped",

@@ -33,6 +33,11 @@ log = logging.getLogger("miles")
 CHECKPOINT_FORMAT = 2
 
 
+def carries_mode_state(state: dict[str, Any]) -> bool:
+    """Whether a loaded trainer state is of a format that holds the async/partial/draft state."""
+    return state.get("format", 1) >= 2
+
+
 class NewerCheckpoint(CheckpointError):
     """Written by a newer miles: not damaged, so no older checkpoint is tried instead."""
 
