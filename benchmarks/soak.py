@@ -1,7 +1,7 @@
 """Soak under faults: a Ray run (2 training ranks, 2 engines, reward worker processes) whose
 parts are killed every few steps, compared with the same run left alone.
 
-Faults come from `--fault-inject` (miles/runtime/../faults.py), cycling through the driver killed
+Faults come from `--fault-inject` (miles/faults.py), cycling through the driver killed
 mid-rollout / mid-step / mid-sync / mid-checkpoint, an engine killed while it generates, a
 training rank killed before its step, and a reward worker killed mid-call. Whenever the driver
 dies (SIGKILL) or stops on a dead rank, the soak starts it again with `--load` as a user would.

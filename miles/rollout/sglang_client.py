@@ -9,8 +9,9 @@ answer is retried on the next server with exponential backoff, up to --sglang-re
 per server; a server that keeps failing is skipped until a request finds every other server
 down too. A server that cannot be reached for a disk weight update is set aside (the others
 take the update) and gets no requests until it is back and has loaded the current weights, so a
-server killed and restarted mid-run rejoins it; when no server takes an update the run stops. A 4xx answer, or a response that lacks what miles needs (token ids, one log-prob per
-token, routed experts of the right shape), stops the run with the server and the field named.
+server killed and restarted mid-run rejoins it; when no server takes an update the run stops.
+A 4xx answer, or a response that lacks what miles needs (token ids, one log-prob per token,
+routed experts of the right shape), stops the run with the server and the field named.
 
 Weights go to the servers from disk (--sglang-weight-transport disk): the trainer's tensors are
 written as a checkpoint (safetensors + config.json) under --sglang-weight-dir, then
@@ -58,6 +59,7 @@ MIN_SGLANG = (
 )  # /generate with input_ids + sampling_seed, update_weights_from_disk, get_weights_by_name
 FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 RETRY_STATUS = {500, 502, 503, 504}
+READMIT_PROBE_S = 5.0  # seconds a set-aside server has to answer before each rollout
 
 
 class ServerError(MilesError):
@@ -381,6 +383,9 @@ class SGLangRollout:
         """A server set aside for a missed update serves again once it has loaded the current weights."""
         for server in [s for s in self.servers if s.stale]:
             try:
+                self._call(
+                    server, "/get_server_info", timeout=READMIT_PROBE_S
+                )  # a host that is down costs this
                 out = self._call(server, "/update_weights_from_disk", self._disk_update, timeout=self.timeout)
             except (Unreachable, ServerError):
                 continue  # still down: ask again before the next batch
