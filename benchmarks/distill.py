@@ -2,9 +2,9 @@
 
 The teacher is the default job's base after `--teacher-steps` RL steps of the default job (a
 better arithmetician than the base). The student starts from the base and trains
-`--steps` rollouts of the same job three ways: GRPO on the task reward alone, GRPO plus OPD in
-the advantage (`--use-opd --opd-type advantage`), and plus OPD in the loss (`--opd-type loss`,
-k3). Printed: held-out accuracy (greedy, 200 problems) at the start and the end, and the
+`--steps` rollouts of the same job four ways: GRPO on the task reward alone, GRPO plus OPD in
+the advantage (`--use-opd --opd-type advantage`), plus OPD in the loss (`--opd-type loss`, k3),
+and plus the loss over the teacher's top-16 bins (`--opd-topk-per-position 16`). Printed: held-out accuracy (greedy, 200 problems) at the start and the end, and the
 reverse KL to the teacher (opd_kl, nats per token) at the first and the last step.
 
     .venv/bin/python benchmarks/distill.py                 # the table of docs/distillation.md
@@ -51,6 +51,10 @@ def main() -> None:
             ("task reward only", []),
             ("+ OPD (advantage)", ["--use-opd", "--opd-type", "advantage"]),
             ("+ OPD (loss, k3)", ["--use-opd", "--opd-type", "loss", "--kl-loss-type", "k3"]),
+            (
+                "+ OPD (loss, top-16 bins)",
+                ["--use-opd", "--opd-type", "loss", "--opd-topk-per-position", "16"],
+            ),
         ):
             if flags:
                 flags = [

@@ -70,3 +70,50 @@ def test_miles_eval_of_a_checkpoint_equals_the_runs_own_evaluation(tmp_path, cap
     assert main(["eval", *flags[: flags.index("--save")], "--load", str(tmp_path / "ckpt")]) == 0
     alone = json.loads(capsys.readouterr().out)
     assert alone == {k: v for k, v in last.items() if k.startswith("eval_")}
+    # on an engine of its own: the same figures under the same steps, and training untouched
+    own = [*flags[: flags.index("--save")], "--eval-engine", "own", "--output-dir", str(tmp_path / "own")]
+    train(load_config(own))
+    shared, beside = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "own")
+
+    def by_step(records, evaluation: bool) -> dict[int, dict]:
+        out: dict[int, dict] = {}
+        for r in records:
+            kept = {
+                k: v for k, v in r.items() if k.startswith("eval_") == evaluation and not k.endswith("_time")
+            }
+            out.setdefault(r["rollout"], {}).update(kept)
+        return out
+
+    assert by_step(beside, True) == by_step(shared, True) and len(by_step(shared, True)[1]) > 10
+    assert any(set(r) - {"rollout"} <= {k for k in r if k.startswith("eval_")} for r in beside)  # lines apart
+    for step, figures in by_step(shared, False).items():
+        for key in ("reward_mean", "loss", "grad_norm"):
+            if key in figures:
+                assert by_step(beside, False)[step][key] == figures[key], (step, key)
+
+
+def test_an_evaluation_cut_off_by_a_stop_runs_again_on_resume(tmp_path):
+    """A checkpoint saved while its step's own-engine evaluation ran records the step as pending;
+    a run resumed from it, with that evaluation missing from the metrics, evaluates it again
+    from the checkpoint's weights: the same figures."""
+    import torch
+
+    from miles.config import load_config
+    from miles.runtime.loop import train
+    from miles.runtime.metrics import read_metrics
+
+    flags = [*small_run_args(tmp_path / "run", 2), "--eval-engine", "own", "--eval-interval", "1",
+             "--save", str(tmp_path / "ckpt")]  # fmt: skip
+    train(load_config(flags))
+    path = tmp_path / "run" / "metrics.jsonl"
+    records = read_metrics(tmp_path / "run")
+    (evaluated,) = [r for r in records if r["rollout"] == 1 and "eval_accuracy" in r]
+    kept = [r for r in records if r is not evaluated]  # as if stopped before it was logged
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    state_file = tmp_path / "ckpt" / "iter_0000001" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    state["eval_pending"] = 1
+    torch.save(state, state_file)
+    train(load_config([*flags, "--load", str(tmp_path / "ckpt")]))
+    again = [r for r in read_metrics(tmp_path / "run") if r["rollout"] == 1 and "eval_accuracy" in r]
+    assert again == [evaluated]

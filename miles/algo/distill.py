@@ -8,19 +8,28 @@ unlikely). Two ways in:
 - advantage (default): A_t <- A_t - coef * k1_t, the KL as a per-token penalty in the reward,
   with log pi taken from the engine's log-probs of the sample (no extra student forward);
 - loss: coef * KL_est(pi || pi_T) added to the policy loss, with --kl-loss-type's estimator
-  (the teacher is the trainer's KL reference).
+  (the teacher is the trainer's KL reference);
+- loss with --opd-topk-per-position K: per position, the exact reverse KL between the two
+  distributions coarsened to K + 1 bins, the teacher's K likeliest tokens and one bin for the
+  rest of the vocabulary: sum_b pi(b) (log pi(b) - log pi_T(b)). Every token of the vocabulary
+  gets a gradient (through its bin), and the teacher sends only K numbers a position, so a
+  teacher server (SGLang's `top_logprobs_num`) serves this form too. K = vocabulary size is
+  the full reverse KL.
 
 Either way the step logs `opd_kl`, the mean k1 over the trained tokens. The teacher is loaded
 beside the trainer (--opd-teacher-load), or sits behind a server (--opd-teacher-url: SGLang or
 `miles serve`), which scores each sample's tokens with a prefill-only /generate request
-(max_new_tokens 0, return_logprob, logprob_start_len), as slime's sglang teacher does.
+(max_new_tokens 0, return_logprob, logprob_start_len), as slime's sglang teacher does, with
+top_logprobs_num K for the top-K form.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from miles.data.sample import Sample
 from miles.errors import ConfigError, MilesError
@@ -45,17 +54,15 @@ class TeacherServer:
     meta_info.input_token_logprobs. A teacher that cannot answer stops the run (there is no
     stand-in for its log-probs)."""
 
-    def __init__(self, url: str, temperature: float, timeout: float = 600.0, retries: int = 3,
+    def __init__(self, url: str, temperature: float, topk: int = 0, timeout: float = 600.0, retries: int = 3,
                  concurrency: int = 16) -> None:  # fmt: skip
         self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/generate") else "/generate")
-        self.temperature, self.timeout, self.retries, self.concurrency = (
-            temperature,
-            timeout,
-            retries,
-            concurrency,
-        )
+        self.temperature, self.topk = temperature, topk
+        self.timeout, self.retries, self.concurrency = timeout, retries, concurrency
 
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """log pi_T of each sample's response tokens; with `topk`, also the teacher's top-k per
+        response position, set on each sample (`attach_topk`)."""
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(samples)))) as pool:
@@ -70,6 +77,8 @@ class TeacherServer:
             "input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": start,
             "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature, "skip_special_tokens": False},
         }  # fmt: skip
+        if self.topk:
+            body["top_logprobs_num"] = self.topk
         answer = post_json(self.url, body, self.timeout, self.retries, 0.5)
         if isinstance(answer, RewardFailure):
             raise MilesError(f"--opd-teacher-url {self.url}: {answer}")
@@ -87,7 +96,79 @@ class TeacherServer:
                 f"--opd-teacher-url {self.url}: the answer's input_token_logprobs do not score this sample's "
                 f"{sample.response_length} response tokens (is logprob_start_len supported?)"
             )
+        if self.topk:
+            self._attach_top(sample, answer)
         return torch.tensor(values, dtype=torch.float32)
+
+    def _attach_top(self, sample: Sample, answer: dict) -> None:
+        """meta_info.input_top_logprobs: per position, [log-prob, token id, text] of the teacher's
+        likeliest tokens, likeliest first."""
+        n, k = sample.response_length, self.topk
+        try:
+            rows = answer["meta_info"]["input_top_logprobs"][-n:]
+            ids = [[int(e[1]) for e in row[:k]] for row in rows]
+            values = [[float(e[0]) for e in row[:k]] for row in rows]
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise MilesError(
+                f"--opd-teacher-url {self.url}: no meta_info.input_top_logprobs for top_logprobs_num {k} in the "
+                f"answer ({e!r}): {str(answer)[:200]}"
+            ) from e
+        if len(rows) != n or any(len(row) != k for row in ids):
+            raise MilesError(
+                f"--opd-teacher-url {self.url}: input_top_logprobs should hold {k} tokens at each of the "
+                f"{n} response positions (--opd-topk-per-position {k} above the vocabulary?)"
+            )
+        attach_topk(sample, torch.tensor(ids), torch.tensor(values))
+
+
+def attach_topk(sample: Sample, ids: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """The teacher's top-k (ids, log-probs), (response length, k), carried by the sample to the
+    trainer's loss (numpy, as the sample's other per-token arrays travel)."""
+    sample.teacher_topk_token_ids = ids.to(torch.int64).cpu().numpy()
+    sample.teacher_topk_log_probs = logprobs.float().cpu().numpy()
+
+
+def topk_of(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens of each row of softmax(logits / temperature): (ids, log-probs)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    return ids, values
+
+
+def _tail(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum exp(logp)) over the last dim: the log-mass outside the given tokens (floored
+    at 1e-30 where they hold it all)."""
+    return torch.log(torch.clamp(1.0 - logp.exp().sum(-1), min=1e-30))
+
+
+def _binned_kl_rows(logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, temperature: float):
+    student = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids)
+    s = torch.cat([student, _tail(student)[:, None]], dim=-1)
+    t = torch.cat([teacher, _tail(teacher)[:, None]], dim=-1)
+    return (s.exp() * (s - t)).sum(-1)
+
+
+def topk_reverse_kl(
+    logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, temperature: float, chunk: int = 1024
+) -> torch.Tensor:
+    """Per row, KL(pi || pi_T) over K + 1 bins: the teacher's top-K tokens `ids` (rows, K) with
+    its log-probs `teacher`, and the rest of the vocabulary as one bin; pi = softmax(logits / T).
+    Row chunks are recomputed in backward, as for the log-probs."""
+    outs = []
+    for rows in zip(logits.split(chunk), ids.split(chunk), teacher.split(chunk)):
+        fn = lambda lg, i, t: _binned_kl_rows(lg, i, t, temperature)  # noqa: E731
+        outs.append(checkpoint(fn, *rows, use_reentrant=False) if logits.requires_grad else fn(*rows))
+    return torch.cat(outs) if outs else logits.new_zeros(0)
+
+
+def sample_topk(sample: Sample, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k the sample carries, as tensors on `device`."""
+    if sample.teacher_topk_token_ids is None:
+        raise MilesError("--opd-topk-per-position: a sample reached the loss without its teacher top-k")
+    return (
+        torch.from_numpy(np.asarray(sample.teacher_topk_token_ids)).to(device),
+        torch.from_numpy(np.asarray(sample.teacher_topk_log_probs)).to(device),
+    )
 
 
 def reverse_kl(samples: Sequence[Sample], teacher_logprobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

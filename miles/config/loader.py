@@ -706,6 +706,7 @@ def validate_opd(cfg: RunConfig) -> None:
                 ("--opd-teacher-load", algo.opd_teacher_load),
                 ("--opd-teacher-url", algo.opd_teacher_url),
                 ("--opd-type", algo.opd_type != "advantage"),
+                ("--opd-topk-per-position", algo.opd_topk_per_position),
             )
             if on
         ]
@@ -717,12 +718,17 @@ def validate_opd(cfg: RunConfig) -> None:
             "--use-opd needs one teacher: --opd-teacher-load MODEL (a model as --model takes it) or "
             "--opd-teacher-url URL (a server)" + (", not both" if algo.opd_teacher_load else "")
         )
+    if algo.opd_topk_per_position and algo.opd_type != "loss":
+        raise ConfigError(
+            "--opd-topk-per-position shapes the loss form's KL (--opd-type loss); the advantage form uses the "
+            "sampled token's log-probs only: add --opd-type loss or drop it"
+        )
     if algo.opd_teacher_url:
-        if algo.opd_type == "loss":
+        if algo.opd_type == "loss" and not algo.opd_topk_per_position:
             raise ConfigError(
-                "--opd-teacher-url with --opd-type loss: the loss form needs the teacher's weights in the trainer "
-                "(--opd-teacher-load); a teacher server gives the sampled tokens' log-probs, which --opd-type "
-                "advantage uses"
+                "--opd-teacher-url with --opd-type loss: a teacher server sends log-probs, not weights; add "
+                "--opd-topk-per-position K (it sends its K likeliest tokens a position), or use --opd-type "
+                "advantage, or --opd-teacher-load"
             )
         return  # the server scores: any layout, and the trainer's KL reference stays free
     for flag, on in (

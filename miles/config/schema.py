@@ -77,6 +77,13 @@ class DataSection:
         "--rollout-temperature)",
         bounds="[0, inf)",
     )
+    eval_engine: str = option(
+        "rollout",
+        "where evaluation runs: rollout (the rollout engines, between steps; training waits) | own (an engine of "
+        "its own in this process, from a copy of the weights at that step, while training goes on; logged when "
+        "ready under the step it evaluates)",
+        choices=("rollout", "own"),
+    )
     eval_config: str | None = option(
         None,
         "YAML file of named evaluation sets, logged as eval_<name>_*: `eval: [{name, task, task_config, size} "
@@ -311,8 +318,9 @@ class AlgoSection:
     opd_kl_coef: float = option(1.0, "weight of the reverse KL to the teacher", bounds="[0, inf)")
     opd_topk_per_position: int | None = option(
         None,
-        "score only the teacher's top-k tokens per position",
-        available="sparse teacher scoring is not built yet; the teacher scores every sampled token",
+        "--opd-type loss: the KL to the teacher over K + 1 bins per position (the teacher's K likeliest tokens "
+        "and the rest), from K log-probs a position; works with --opd-teacher-url (SGLang's top_logprobs_num)",
+        bounds="[1, inf)",
     )
     gamma: float = option(1.0, "discount (REINFORCE++ returns, GAE)", bounds="[0, 1]")
     lambd: float = option(
@@ -387,6 +395,12 @@ class AlgoSection:
     def teacher_in_trainer(self) -> bool:
         """--use-opd with --opd-teacher-load: the trainer holds the teacher as its KL reference."""
         return self.use_opd and bool(self.opd_teacher_load)
+
+    @property
+    def opd_topk(self) -> int:
+        """--opd-topk-per-position of the loss form (0: off): the loss's KL to the teacher is then
+        the binned one, from the teacher's top-k the samples carry (teacher loaded or served)."""
+        return (self.opd_topk_per_position or 0) if self.use_opd and self.opd_type == "loss" else 0
 
     def check(self) -> None:
         """Its own rules; --tis-threshold implies --use-tis."""

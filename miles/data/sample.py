@@ -39,6 +39,8 @@ class Sample:
     status: Status = Status.PENDING
     rollout_log_probs: list[float] | None = None
     rollout_routed_experts: np.ndarray | None = None
+    teacher_topk_token_ids: np.ndarray | None = None  # --opd-topk-per-position: (response length, k)
+    teacher_topk_log_probs: np.ndarray | None = None
     weight_versions: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)  # the weight version of each response token
     metadata: dict[str, Any] = field(default_factory=dict)

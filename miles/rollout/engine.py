@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,15 @@ from miles.rollout.steps import DecodeStep, choose_step
 from miles.rollout.weights import apply_named_tensors, served_weights
 
 log = logging.getLogger("miles")
+
+
+class Scored(NamedTuple):
+    """`Engine.score` of one sequence: each token's log-prob after the first, and with top-k the
+    k likeliest tokens (ids, log-probs) at each of those positions."""
+
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -268,10 +278,12 @@ class Engine:
             freed, self.cache = self.cache.nbytes, None
             return freed
 
-    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    def score(self, sequences: list[list[int]], temperature: float = 1.0, topk: int = 0) -> list[Scored]:
         """log softmax(logits / temperature) of each token after the first, given the ones before
-        it, under the served weights: one full forward per sequence, between decoding steps (the
-        prefill-only request a distillation teacher answers)."""
+        it, under the served weights, and with `topk` the k likeliest tokens at each of those
+        positions: one full forward per sequence, between decoding steps (the prefill-only request
+        a distillation teacher answers)."""
+        from miles.algo.distill import topk_of
         from miles.algo.logprobs import token_logprobs
 
         out = []
@@ -280,7 +292,8 @@ class Engine:
             for seq in sequences:
                 ids = torch.tensor([seq], dtype=torch.long, device=device)
                 logits = self.model(ids).logits[0, :-1]
-                out.append(token_logprobs(logits, ids[0, 1:], temperature).float().cpu())
+                top = topk_of(logits, topk, temperature) if topk else (None, None)
+                out.append(Scored(token_logprobs(logits, ids[0, 1:], temperature).float().cpu(), *top))
         return out
 
     def states(self) -> list[dict[str, torch.Tensor]]:

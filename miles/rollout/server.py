@@ -47,6 +47,7 @@ TOP_LEVEL_KEYS = {
     "sampling_params",
     "return_logprob",
     "logprob_start_len",
+    "top_logprobs_num",
     "return_routed_experts",
     "rid",
     "stream",
@@ -424,6 +425,10 @@ class EngineServer:
         start = body.get("logprob_start_len", 0)
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
             raise BadRequest(f"logprob_start_len must be an integer >= 0, got {start!r}")
+        topk = body.get("top_logprobs_num") or 0
+        vocab = self.engine.model.config.vocab_size
+        if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= vocab:
+            raise BadRequest(f"top_logprobs_num must be an integer in [0, {vocab}], got {topk!r}")
         prompts, batch = parse_prompts(body, self.engine.tokenizer, self._max_chars())
         for p in prompts:
             if len(p) > self.engine.max_seq_len:
@@ -432,16 +437,21 @@ class EngineServer:
                 )
             if max(p) >= self.engine.model.config.vocab_size or min(p) < 0:
                 raise BadRequest(f"input_ids must be in [0, {self.engine.model.config.vocab_size})")
-        scored = self.engine.score([list(p) for p in prompts], float(temperature))
+        scored = self.engine.score([list(p) for p in prompts], float(temperature), topk)
         out = []
-        for ids, logprobs in zip(prompts, scored):
-            values = [None, *logprobs.tolist()]
+        for ids, one in zip(prompts, scored):
+            values = [None, *one.logprobs.tolist()]
+            kept = range(min(start, len(ids)), len(ids))
             meta = {
                 "id": None, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
                 "completion_tokens": 0, "weight_version": self.engine.weight_version,
-                "input_token_logprobs": [[values[i], ids[i], None] for i in range(min(start, len(ids)), len(ids))],
+                "input_token_logprobs": [[values[i], ids[i], None] for i in kept],
                 "output_token_logprobs": [],
             }  # fmt: skip
+            if topk:  # SGLang's layout: per position [[log-prob, token id, text], ...], likeliest first
+                top = [None, *([[v, t, None] for v, t in zip(vs, ts)] for vs, ts in
+                                zip(one.top_logprobs.tolist(), one.top_ids.tolist()))]  # fmt: skip
+                meta["input_top_logprobs"] = [top[i] for i in kept]
             out.append({"text": "", "output_ids": [], "meta_info": meta})
         return out if batch else out[0]
 

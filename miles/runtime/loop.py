@@ -7,6 +7,7 @@ of `miles.runtime.executors`); `run_loop` drives it through the interfaces of
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -40,6 +41,7 @@ from miles.rollout.evaluation import EvalSet, eval_sets_of, evaluate_all
 from miles.rollout.groups import collect_groups
 from miles.rollout.partial import PartialRollout
 from miles.runtime.devices import resolve_device
+from miles.runtime.eval_engine import OwnEvaluation
 from miles.runtime.executors import build_executor, on_ray
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.profiling import StepProfiler
@@ -73,6 +75,7 @@ class Run:
     speculation: OnlineDraft | None = None  # --draft-model: spec_* metrics, online draft training
     mode: RolloutMode | None = None  # multi-turn agent rollouts (--tool-path, --agent-path, ...)
     eval_sets: list[EvalSet] = field(default_factory=list)  # the held-out set and --eval-config's
+    own_eval: OwnEvaluation | None = None  # --eval-engine own
     faults: FaultInjector | None = None  # --fault-inject
 
 
@@ -123,6 +126,9 @@ def train(cfg: RunConfig) -> Path:
         if cfg.algo.teacher_in_trainer
         else None
     )
+    eval_sets = eval_sets_of(cfg, data)
+    own_eval = None
+    eval_base = copy.deepcopy(policy) if cfg.data.eval_engine == "own" and eval_sets else None  # as loaded
     try:
         executor = build_executor(cfg, policy, tokenizer, max_seq_len, draft=draft, teacher=teacher)
         if cfg.algo.advantage_estimator == "ppo" and critic is None:  # the training ranks hold it
@@ -142,8 +148,17 @@ def train(cfg: RunConfig) -> Path:
             run = Run(
                 cfg, policy, tokenizer, data, rewards, keep,
                 executor.trainer, executor.rollout, executor.sync, metrics, run_dir, critic=critic, mode=mode,
-                eval_sets=eval_sets_of(cfg, data),
+                eval_sets=eval_sets,
             )  # fmt: skip
+            if eval_base is not None:
+                eval_mode = rollout_mode(cfg) if cfg.agent.mode_flag else None
+                own_eval = run.own_eval = OwnEvaluation(
+                    cfg, eval_base, tokenizer, max_seq_len, eval_sets,
+                    RewardRunner.from_config(cfg, data.task_dataset), eval_mode,
+                )  # fmt: skip
+                del eval_base
+            elif eval_sets:
+                log.info("evaluation on the rollout engines, between steps (training waits for it)")
             if cfg.debug.fault_inject:
                 run.faults = FaultInjector(cfg.debug.fault_inject, run_dir)
                 run.faults.bind(executor.trainer, executor.rollout, rewards)
@@ -153,6 +168,8 @@ def train(cfg: RunConfig) -> Path:
                 )
             return run_loop(run)
         finally:
+            if own_eval is not None:
+                own_eval.close()
             executor.rollout.shutdown()  # Ray: stop the actors, free the placement group
     finally:
         rewards.close()
@@ -187,10 +204,17 @@ def _run_steps(run: Run) -> Path:
     log_memory_at_start(run)
     last_eval = float("nan")
     feed = RolloutFeed(run)
+    own = run.own_eval
     if start == 0 and run.eval_sets:
-        initial = feed.evaluate()
-        run.metrics.log(-1, initial)
-        last_eval = initial.get("eval_accuracy", last_eval)
+        if own is not None:
+            own.submit(run.trainer, -1)
+        else:
+            initial = feed.evaluate()
+            run.metrics.log(-1, initial)
+            last_eval = initial.get("eval_accuracy", last_eval)
+    elif own is not None and (pending := resumed.get("eval_pending")) is not None:
+        if not run.metrics.has(pending, "eval_"):  # stopped before that evaluation was logged
+            own.submit(run.trainer, pending)
     feed.load_state_dict(resumed)
     if run.speculation is not None:
         if resumed and not carries_mode_state(resumed) and run.speculation.trainer is not None:
@@ -229,11 +253,16 @@ def _run_steps(run: Run) -> Path:
         )  # fmt: skip
         last = rollout_id == total - 1
         if run.eval_sets and (last or due(cfg.data.eval_interval, rollout_id)):
-            step.update(feed.evaluate())
+            if own is not None:
+                last_eval = log_evaluations(run, own.submit(run.trainer, rollout_id), last_eval)
+            else:
+                step.update(feed.evaluate())
         times = run.rollout.take_times() if isinstance(run.rollout, ReportsEngineTimes) else None
         if times is not None:  # the engines' prefill/decode split of their time
             step.update(times.metrics())
         log_step(run, rollout_id, step)
+        if own is not None:
+            last_eval = log_evaluations(run, own.ready(), last_eval)
         profiler.step()
         last_eval = step.get("eval_accuracy", last_eval)
         bar.set_postfix(
@@ -247,10 +276,14 @@ def _run_steps(run: Run) -> Path:
                 state["draft"] = run.speculation.state_dict()
             if run.critic is not None:
                 state["critic"] = run.critic.state_dict()
+            if own is not None:
+                state["eval_pending"] = own.pending()
             save_checkpoint(
                 cfg.checkpoint.save, rollout_id, {"model": run.policy}, run.tokenizer, state,
                 written=functools.partial(reach, run, "checkpoint", rollout_id),
             )  # fmt: skip
+    if own is not None:  # the run ends with its last evaluation logged
+        log_evaluations(run, own.ready(wait=True), last_eval)
     for done in (bar, profiler, feed, run.metrics):
         done.close()
     if cfg.checkpoint.save_hf:
@@ -485,13 +518,16 @@ def train_and_sync(run: Run, groups: list, rollout_id: int, profiler: StepProfil
         else:
             advantages = compute_advantages(groups, cfg, reference_kl)
             opd = {}
-            if cfg.algo.use_opd:  # the teacher's log-probs of the policy's own tokens
-                teacher = (
-                    TeacherServer(cfg.algo.opd_teacher_url, cfg.rollout.rollout_temperature).logprobs(samples)
-                    if cfg.algo.opd_teacher_url
-                    else run.trainer.reference_logprobs(samples)
-                )
+            if cfg.algo.use_opd:  # the teacher's log-probs of the policy's own tokens (and its top-k)
                 algo = cfg.algo
+                topk = algo.opd_topk
+                teacher = (
+                    TeacherServer(algo.opd_teacher_url, cfg.rollout.rollout_temperature, topk).logprobs(
+                        samples
+                    )
+                    if algo.opd_teacher_url
+                    else run.trainer.teacher_logprobs(samples, topk)
+                )
                 advantages, opd = distill(
                     advantages, samples, teacher, algo.opd_kl_coef, algo.opd_type == "advantage"
                 )
@@ -567,6 +603,15 @@ def check_training(cfg: RunConfig, metrics: dict[str, float], rollout_id: int) -
             f"--verify-logprobs: mean |logp_train - logp_rollout| = {gap:.4g} exceeds "
             f"{cfg.algo.verify_logprobs_threshold} at rollout {rollout_id}; try --use-r3 and --use-tis"
         )
+
+
+def log_evaluations(run: Run, finished: list[tuple[int, dict[str, float]]], last_eval: float) -> float:
+    """Log --eval-engine own's finished evaluations, each under the step it evaluates; the
+    latest eval_accuracy (for the progress bar)."""
+    for rollout_id, figures in finished:
+        run.metrics.log(rollout_id, figures)
+        last_eval = figures.get("eval_accuracy", last_eval)
+    return last_eval
 
 
 def log_step(run: Run, rollout_id: int, step: dict) -> None:

@@ -76,6 +76,16 @@ class MetricsLogger:
         keep = [record for record in parse_metrics(self.path) if record["rollout"] <= rollout_id]
         self.path.write_text("".join(json.dumps(record) + "\n" for record in keep))
 
+    def has(self, rollout_id: int, prefix: str) -> bool:
+        """Whether a record of `rollout_id` holds a metric whose name starts with `prefix` (a
+        resumed run asks whether an evaluation reached the file before the stop)."""
+        if not self.path.exists():
+            return False
+        return any(
+            r["rollout"] == rollout_id and any(k.startswith(prefix) for k in r)
+            for r in parse_metrics(self.path)
+        )
+
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         record = {"rollout": rollout_id, **metrics}
         with self.path.open("a") as f:

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
+from miles.algo.distill import attach_topk, sample_topk, topk_of, topk_reverse_kl
 from miles.algo.logprobs import entropy as entropy_of
 from miles.algo.losses import cispo_loss, kl_estimate, opsm_keep, policy_loss
 from miles.algo.masked import aggregate, masked_mean
@@ -327,6 +328,25 @@ class PolicyTrainer:
         # a teacher (--use-opd) routes its own experts; the initial policy's copy replays the rollout's
         return self.logprobs(samples, self.ref_model, replay=not self.cfg.algo.teacher_in_trainer)
 
+    @torch.no_grad()
+    def teacher_logprobs(self, samples: Sequence[Sample], topk: int = 0) -> list[torch.Tensor]:
+        """--opd-teacher-load: log pi_T of each response token (the KL reference is the teacher);
+        with `topk`, the same forward also sets the teacher's top-k per response position on each
+        sample (`attach_topk`), as a teacher server's answer does."""
+        if not topk:
+            return self.reference_logprobs(samples)  # type: ignore[return-value]
+        temperature = self.cfg.rollout.rollout_temperature or 1.0
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for part in self.micro_batches(range(len(samples)), samples):
+            chunk = [samples[i] for i in part]
+            batch = pack_samples(chunk, False, shares_prompts(self.cfg))
+            logp, logits, _ = forward_logprobs(self.ref_model, batch, temperature)
+            for b, (i, s) in enumerate(zip(part, chunk)):
+                positions = slice(s.prompt_length - 1, len(s.tokens) - 1)
+                out[i] = logp[b, positions].clone()
+                attach_topk(s, *topk_of(logits[b, positions], topk, temperature))
+        return out  # type: ignore[return-value]
+
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.all_sum is None:
             return values
@@ -338,7 +358,7 @@ class PolicyTrainer:
         # With one optimizer step per rollout every micro-batch runs before the update, so the
         # "old" log-probs are the forward's own (detached): no extra forward pass.
         old = self.logprobs(samples) if cfg.train.num_steps_per_rollout > 1 else [None] * len(samples)
-        ref = self.reference_logprobs(samples) if kl_loss_coef(cfg) > 0 else None
+        ref = self.reference_logprobs(samples) if kl_loss_coef(cfg) > 0 and not cfg.algo.opd_topk else None
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
 
@@ -501,6 +521,17 @@ class PolicyTrainer:
         if ref is not None and (coef := kl_loss_coef(self.cfg)) > 0:
             kl = aggregate(kl_estimate(logp, ref_t, algo.kl_loss_type), mask, agg, norm, denominator)
             loss = loss + coef * kl
+            parts["kl_loss"] = float(kl.detach())
+        elif cfg.algo.opd_topk:  # the binned KL to the teacher's top-k (--opd-topk-per-position)
+            per_token = torch.zeros_like(logp)
+            temperature = cfg.rollout.rollout_temperature or 1.0
+            for b, s in enumerate(samples):
+                positions = slice(s.prompt_length - 1, len(s.tokens) - 1)
+                per_token[b, positions] = topk_reverse_kl(
+                    logits[b, positions], *sample_topk(s, logp.device), temperature
+                )
+            kl = aggregate(per_token, mask, agg, norm, denominator)
+            loss = loss + algo.opd_kl_coef * kl
             parts["kl_loss"] = float(kl.detach())
         if out.routed_experts is not None:
             loss = loss + self._moe_terms(out, batch, samples, denominator, parts)
