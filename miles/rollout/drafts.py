@@ -2,7 +2,8 @@
 
 - `ModelDraft`: a small causal LM with a KV cache of its own (slot for slot with the engine's).
   It remembers how many tokens of each slot its cache holds, and feeds the missing ones (a new
-  prompt, the accepted tokens of the last step) before proposing.
+  prompt, the accepted tokens of the last step) before proposing, every slot in one call of
+  the decode step the engine would choose for it (the fused step on a CPU).
 - `NgramDraft`: continues the longest match (up to `max_n` tokens) of the context's suffix in the
   context itself or in recently finished sequences; its proposals are certain (q one-hot).
 - `auto_draft(policy, layers)`: the policy's embedding, first `layers` blocks, final norm and
@@ -21,6 +22,7 @@ import torch.nn as nn
 from miles.errors import ConfigError
 from miles.models.transformer import Transformer
 from miles.rollout.speculative import sampling_probs
+from miles.rollout.steps import DecodeStep, choose_step
 
 log = logging.getLogger("miles")
 
@@ -52,6 +54,7 @@ class ModelDraft:
         self.slots, self.max_len = slots, max_len
         self.cache = model.new_cache(slots, max_len)
         self.fed: dict[int, int] = {}  # slot -> tokens of its sequence the cache holds
+        self.step: DecodeStep | None = None  # chosen at first use, as the engine chooses its own
 
     def reset(self, slot: int) -> None:
         self.fed[slot] = 0
@@ -63,37 +66,29 @@ class ModelDraft:
     def keep(self, slot: int, valid: int) -> None:
         self.fed[slot] = min(self.fed.get(slot, 0), valid)
 
-    @torch.no_grad()
-    def _catch_up(self, slots: list[int], seqs: list[list[int]]) -> torch.Tensor:
-        """Feed each sequence's tokens the cache lacks (grouped by count); logits after the last."""
-        dev = self.model.lm_head.weight.device
-        out = [None] * len(slots)
-        groups: dict[int, list[int]] = {}
-        for b, (slot, seq) in enumerate(zip(slots, seqs)):
-            groups.setdefault(len(seq) - self.fed.get(slot, 0), []).append(b)
-        for m, members in groups.items():
-            starts = [self.fed.get(slots[b], 0) for b in members]
-            ids = torch.tensor([seqs[b][s : s + m] for b, s in zip(members, starts)])
-            positions = torch.tensor([list(range(s, s + m)) for s in starts])
-            logits = self.model(
-                ids.to(dev),
-                positions=positions.to(dev),
-                cache=self.cache,
-                cache_rows=torch.tensor([slots[b] for b in members], device=dev),
-                logits_at=torch.full((len(members),), m - 1, device=dev),
-            ).logits[:, 0]
-            for j, b in enumerate(members):
-                out[b] = logits[j]
-                self.fed[slots[b]] = len(seqs[b])
-        return torch.stack(out)
+    def _extend(self, slots: list[int], pieces: list[list[int]]) -> torch.Tensor:
+        """Feed each slot its piece of tokens after what its cache holds, all in one call of the
+        decode step (the fused step where it can run); logits (B, V) after each piece."""
+        if self.step is None or not self.step.intact():
+            self.step, why = choose_step(self.model)
+            log.debug("draft decode step: %s", why)
+        lengths = torch.tensor([len(p) for p in pieces])
+        ids = torch.zeros(len(pieces), int(lengths.max()), dtype=torch.long)
+        for b, piece in enumerate(pieces):
+            ids[b, : len(piece)] = torch.tensor(piece)
+        starts = torch.tensor([self.fed.get(slot, 0) for slot in slots])
+        logits = self.step.prefill(ids, lengths, torch.tensor(slots), self.cache, starts=starts).logits[:, 0]
+        for slot, piece in zip(slots, pieces):
+            self.fed[slot] = self.fed.get(slot, 0) + len(piece)
+        return logits
 
     @torch.no_grad()
     def propose(self, slots, seqs, k, temperature, top_k, top_p, generators):
         """(tokens (B, k), q (B, k, V)): k tokens per sequence sampled from the draft."""
-        dev = self.model.lm_head.weight.device
-        logits = self._catch_up(slots, seqs)
+        for slot, seq in zip(slots, seqs):  # at least the last token, whose logits propose
+            self.fed[slot] = min(self.fed.get(slot, 0), len(seq) - 1)
+        logits = self._extend(slots, [seq[self.fed[slot] :] for slot, seq in zip(slots, seqs)])
         tokens, qs = [], []
-        rows = torch.tensor(slots, device=dev)
         for j in range(k):
             q = sampling_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
             x = torch.cat([torch.multinomial(q[b].cpu(), 1, generator=g) for b, g in enumerate(generators)])
@@ -101,12 +96,7 @@ class ModelDraft:
             qs.append(q)
             if j == k - 1:
                 break
-            positions = torch.tensor([[len(s) + j] for s in seqs], device=dev)
-            logits = self.model(
-                x[:, None].to(dev), positions=positions, cache=self.cache, cache_rows=rows
-            ).logits[:, -1]
-            for slot in slots:
-                self.fed[slot] += 1
+            logits = self._extend(slots, [[int(t)] for t in x])
         return torch.stack(tokens, 1), torch.stack(qs, 1)
 
 

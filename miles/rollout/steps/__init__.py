@@ -32,10 +32,17 @@ class DecodeStep(Protocol):
     name: str
 
     def prefill(
-        self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        starts: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """Prompts ids (U, T), right-padded, of `lengths` tokens from position 0, into cache
-        `slots` (U,) -> logits (U, 1, V) of each one's last token; routing (U, T, layers, K)."""
+        """Sequences ids (U, T), right-padded, of `lengths` tokens from position `starts` (U,)
+        (default 0: prompts), into cache `slots` (U,) -> logits (U, 1, V) of each one's last
+        token; routing (U, T, layers, K). From a later position, a sequence extends what its slot
+        holds (a draft model catching up, or taking one token)."""
         ...
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:

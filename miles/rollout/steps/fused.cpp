@@ -29,6 +29,7 @@ struct FusedConfig {
   int64_t hidden, heads, kv_heads, head_dim, vocab, layers, max_len;
   int64_t experts, top_k, normalize, inner, threads;  // inner: the largest layer's I
   int64_t wide_below;  // tokens a thread below which the threads share each product
+  int64_t every_token;  // 1: logits of every token (speculative verification); 0: of each sequence's last
   double eps;
 };
 
@@ -570,6 +571,13 @@ struct Tokens {
     for (int64_t i = team.begin(R); i < team.end(R); i++)
       for (int64_t m = i * hid; m < (i + 1) * hid; m++) h[m] += pending[m];
     team.sync();
+    if (c.every_token) {  // logits of every token: rows [r0, r0 + R) of the flattened batch
+      for (int64_t i = team.begin(R); i < team.end(R); i++)
+        rms_norm(hid, h.data() + i * hid, final_norm, c.eps, x.data() + i * hid);
+      team.sync();
+      team.gemm(R, hid, c.vocab, x.data(), lm_head, nullptr, logits + r0 * c.vocab);
+      return;
+    }
     const int64_t S = s1 - s0;
     for (int64_t s = s0 + team.begin(S); s < s0 + team.end(S); s++)  // logits of each sequence's last token
       rms_norm(hid, h.data() + (starts[s + 1] - 1 - r0) * hid, final_norm, c.eps, x.data() + (s - s0) * hid);
@@ -585,7 +593,8 @@ extern "C" {
 // Sequences [0, S), sequence s holding tokens [starts[s], starts[s + 1]) of the flattened batch at
 // cache slot slots[s]; per token: ids and positions; inv_freq: RoPE's D/2 frequencies. A decode step is S
 // sequences of one token; a prefill, each prompt's tokens. Out: logits (S, vocab) of each
-// sequence's last token, routed (tokens, MoE layers, top_k) (unused for a dense model).
+// sequence's last token (with cfg->every_token: (tokens, vocab), every token's), routed (tokens,
+// MoE layers, top_k) (unused for a dense model).
 // With at least cfg->wide_below tokens a thread (and a sequence each), each thread takes
 // consecutive sequences holding about equal numbers of tokens through the whole model alone;
 // with fewer, all threads work on every product together (Team).

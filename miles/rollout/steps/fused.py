@@ -18,8 +18,8 @@ The source is compiled on first use with the system's C++ compiler (`-O3 -march=
 Rounding: the summation orders differ from ATen's (and the softmax's exponential is a
 polynomial to about 1 ulp), so logits match the general forward's to fp32 rounding, not bitwise;
 but a row's arithmetic is its own, so its bits do not depend on its batch-mates, the thread
-count or the split (tests/test_fused_step.py). Several tokens a row (speculative verification)
-run the general forward. `train_rollout_logprob_abs_diff` reports the gap
+count or the split (tests/test_fused_step.py). Speculative verification is the same call on
+rows of k + 1 tokens, with the logits of every token. `train_rollout_logprob_abs_diff` reports the gap
 to the trainer in a run. The packed weights are a second copy of every projection, remade when
 a parameter's version moves (a weight update copies into the parameters in place).
 """
@@ -43,7 +43,6 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer
-from miles.rollout.steps.general import GeneralStep
 
 log = logging.getLogger("miles")
 
@@ -57,7 +56,7 @@ class _Config(ctypes.Structure):
         (name, ctypes.c_int64)
         for name in (
             "hidden", "heads", "kv_heads", "head_dim", "vocab", "layers", "max_len",
-            "experts", "top_k", "normalize", "inner", "threads", "wide_below",
+            "experts", "top_k", "normalize", "inner", "threads", "wide_below", "every_token",
         )
     ] + [("eps", ctypes.c_double)]  # fmt: skip
 
@@ -211,7 +210,6 @@ class FusedStep:
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
         self._one_each: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._general = GeneralStep(model)  # several tokens a row (speculative verification)
 
     def intact(self) -> bool:
         """Whether every parameter still lives where it did (one replaced rather than copied
@@ -293,10 +291,23 @@ class FusedStep:
     @torch.inference_mode()
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
         """ids, positions (B, T) long over cache rows 0..B-1 -> logits (B, T, V) and the routing
-        record (B, T, MoE layers, K), as `Transformer.forward` returns them. T > 1: the general
-        forward."""
+        record (B, T, MoE layers, K), as `Transformer.forward` returns them. T > 1 (speculative
+        verification): row b's T tokens are one sequence from positions[b, 0], causal within it."""
         if ids.shape[1] != 1:
-            return self._general.decode(ids, positions, cache)
+            B, T = ids.shape
+            logits, routed = self.forward(
+                ids.reshape(-1),
+                positions.reshape(-1),
+                torch.arange(B + 1) * T,
+                torch.arange(B),
+                cache,
+                every_token=True,
+            )
+            return ModelOutput(
+                logits=logits.view(B, T, -1),
+                router_logits=[],
+                routed_experts=None if routed is None else routed.view(B, T, *routed.shape[1:]),
+            )
         ids, positions = ids[:, 0], positions[:, 0]
         B = ids.shape[0]
         if self._one_each is None or self._one_each[1].shape[0] != B:
@@ -309,15 +320,24 @@ class FusedStep:
         )
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache):
-        """Sequences ids (U, T), right-padded to T, of `lengths` tokens from position 0, into
-        cache `slots` (U,) -> logits (U, 1, V) of each one's last token and the routing record
-        (U, T, MoE layers, K) (padding positions: zeros), as the general forward's prefill gives."""
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        starts: torch.Tensor | None = None,
+    ):
+        """Sequences ids (U, T), right-padded to T, of `lengths` tokens from position `starts`
+        (default 0), into cache `slots` (U,) -> logits (U, 1, V) of each one's last token and
+        the routing record (U, T, MoE layers, K) (padding positions: zeros), as the general
+        forward's prefill gives."""
         U, T = ids.shape
         real = torch.arange(T)[None, :] < lengths[:, None]
-        starts = F.pad(lengths.cumsum(0), (1, 0))
-        positions = torch.arange(T).expand(U, T)[real]
-        logits, routed = self.forward(ids[real], positions, starts, slots, cache)
+        offsets = torch.arange(T).expand(U, T)
+        positions = (offsets if starts is None else offsets + starts[:, None])[real]
+        first = F.pad(lengths.cumsum(0), (1, 0))
+        logits, routed = self.forward(ids[real], positions, first, slots, cache)
         record = None
         if routed is not None:
             record = routed.new_zeros(U, T, *routed.shape[1:])
@@ -331,10 +351,12 @@ class FusedStep:
         starts: torch.Tensor,
         slots: torch.Tensor,
         cache: KVCache,
+        every_token: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sequences [0, S), sequence s the tokens [starts[s], starts[s + 1]) of the flat ids and
         positions (N,), written into cache slot slots[s] -> the logits (S, V) of each one's last
-        token and the routing (N, MoE layers, K) (None for a dense model)."""
+        token (`every_token`: (N, V), every token's) and the routing (N, MoE layers, K) (None for
+        a dense model)."""
         if int(positions.max()) >= cache.max_len:
             raise ValueError(
                 f"KV cache holds {cache.max_len} positions; position {int(positions.max())} asked"
@@ -351,7 +373,8 @@ class FusedStep:
         ids, positions, starts, slots = (
             t.to(torch.long).contiguous() for t in (ids, positions, starts, slots)
         )
-        logits = torch.empty(S, self.config.vocab)
+        self.config.every_token = int(every_token)
+        logits = torch.empty(N if every_token else S, self.config.vocab)
         routed = torch.empty(N, max(self.moe_layers, 1), self.top_k, dtype=torch.long)
         self.lib.miles_fused_forward(
             ctypes.byref(self.config), self.table, S, starts.data_ptr(), slots.data_ptr(), ids.data_ptr(),

@@ -17,11 +17,17 @@ class GeneralStep:
 
     @torch.no_grad()
     def prefill(
-        self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, cache: KVCache
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        starts: torch.Tensor | None = None,
     ) -> ModelOutput:
         dev = self.device
         U, T = ids.shape
-        positions = torch.arange(T).expand(U, T)
+        offsets = torch.arange(T).expand(U, T)
+        positions = offsets if starts is None else offsets + starts[:, None]
         last = lengths - 1
         return self.model(
             ids.to(dev),
@@ -29,7 +35,7 @@ class GeneralStep:
             cache=cache,
             cache_rows=slots.to(dev),
             logits_at=last.to(dev),
-            token_mask=(positions <= last[:, None]).to(dev),  # right padding takes no MoE capacity
+            token_mask=(offsets <= last[:, None]).to(dev),  # right padding takes no MoE capacity
         )
 
     @torch.no_grad()
