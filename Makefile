@@ -10,9 +10,10 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 STAMP      := $(VENV)/.miles-installed
 LINT_DIRS  := miles tests $(wildcard benchmarks)
-# Two pytest workers (tests/conftest.py groups them: Ray tests first, one local cluster per
-# worker, each other module whole in one worker); tests wait on processes (Ray actors, servers,
-# reward workers) often enough that two share 2 cores well, each with its share of the threads.
+# Two pytest workers (tests/conftest.py schedules them: Ray tests first, one by one, on a local
+# cluster per worker; then each other module whole); tests wait on processes
+# (Ray actors, servers, reward workers) often enough that two share 2 cores well, each with its
+# share of the threads.
 TEST_WORKERS ?= 2
 
 .PHONY: setup run test lint format clean
@@ -43,7 +44,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix $(LINT_DIRS)
 
 test: lint
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -92,28 +92,50 @@ def ray_cluster():
     yield
 
 
-# Ray tests in two groups, one per pytest worker (each worker's tests share its local cluster),
-# scheduled first: together they are the longest part of the suite, and they wait on process
-# start-ups more than they compute, so two of them overlap well on 2 cores.
-RAY_GROUPS = {"test_ray_train": "ray-a", "test_multinode": "ray-a", "test_ray_rollout": "ray-b",
-              "test_multiagent_ray": "ray-b", "test_placement": "ray-b"}  # fmt: skip
+# Modules whose tests start Ray actors. Under pytest-xdist (`make test`: -n 2 --dist loadscope)
+# their tests go to the workers one by one, first: they are the longest, and they wait on process
+# start-ups more than they compute, so two overlap well on 2 cores (each worker's tests share its
+# local cluster, `ray_cluster`). Every other module goes whole to one worker, so its module
+# fixtures start once.
+RAY_MODULES = {
+    "test_ray_train",
+    "test_multinode",
+    "test_ray_rollout",
+    "test_multiagent_ray",
+    "test_placement",
+}
 
 
-def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist runs in one worker")
+def module_of(nodeid: str) -> str:
+    return Path(nodeid.split("::", 1)[0]).stem
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the Ray tests in their two
-    groups first, then every other module whole in one worker (its module fixtures start once)."""
+    """The Ray modules' tests first, then the other modules, those with the most tests first
+    (the order the workers take them in)."""
+    sizes: dict[str, int] = {}
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        group = RAY_GROUPS.get(module) or (
-            "ray-b" if "ray_cluster" in getattr(item, "fixturenames", ()) else module
-        )
-        item.add_marker(pytest.mark.xdist_group(group))
-    order = {"ray-a": 0, "ray-b": 1}
-    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], 2))
+        sizes[module_of(item.nodeid)] = sizes.get(module_of(item.nodeid), 0) + 1
+    items.sort(key=lambda item: (module_of(item.nodeid) not in RAY_MODULES, -sizes[module_of(item.nodeid)]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """A Ray module's test is a unit of work on its own, any other module is one unit, handed to
+    the workers in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "loadscope":
+        return None
+
+    class RayTestsApartModulesWhole(LoadScopeScheduling):
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # our order, not by test count
+
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if module_of(nodeid) in RAY_MODULES else module_of(nodeid)
+
+    return RayTestsApartModulesWhole(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -143,8 +165,16 @@ def small_run_args(out: Path, num_rollout: int) -> list[str]:
 @pytest.fixture(scope="session")
 def local_run(tmp_path_factory):
     """`local_run(steps, *flags)`: the metrics of the one-process run of `small_run_args(steps)`
-    plus `flags`, trained once per session. It is the reference every distributed layout is
-    compared with; each test training it again cost the suite about 4 s a time."""
+    plus `flags`, trained once per session: the reference every distributed layout is compared
+    with. Under pytest-xdist the workers share it (a directory beside their temp dirs, claimed
+    by a file lock): the first to ask trains it, the others read it."""
+    import hashlib
+
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's, above each worker's own
     done: dict[tuple, list[dict]] = {}
 
     def get(steps: int, *flags: str) -> list[dict]:
@@ -154,8 +184,11 @@ def local_run(tmp_path_factory):
             from miles.runtime.loop import train
             from miles.runtime.metrics import read_metrics
 
-            out = tmp_path_factory.mktemp(f"local_run_{steps}")
-            train(load_config(small_run_args(out, steps) + list(flags)))
+            out = shared / f"local_run_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
+            with FileLock(str(out) + ".lock"):
+                if not (out / "trained").exists():
+                    train(load_config(small_run_args(out, steps) + list(flags)))
+                    (out / "trained").touch()
             done[key] = read_metrics(out)
         return copy.deepcopy(done[key])
 
