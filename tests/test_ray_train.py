@@ -197,10 +197,10 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path, local_
 
     fsdp = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"]
     fsdp += ["--check-weight-update-equal", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
-    train(load_config(small_run_args(tmp_path / "fsdp", 2) + fsdp))
-    train(load_config(small_run_args(tmp_path / "fsdp", 4) + fsdp + ["--load", str(tmp_path / "ckpt")]))
-    assert (tmp_path / "ckpt" / "latest").read_text() == "3"
-    assert_same_run(local_run(4), read_metrics(tmp_path / "fsdp"))
+    train(load_config(small_run_args(tmp_path / "fsdp", 1) + fsdp))
+    train(load_config(small_run_args(tmp_path / "fsdp", 2) + fsdp + ["--load", str(tmp_path / "ckpt")]))
+    assert (tmp_path / "ckpt" / "latest").read_text() == "1"
+    assert_same_run(local_run(2), read_metrics(tmp_path / "fsdp"))
 
 
 def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
