@@ -292,13 +292,23 @@ def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path):
 def test_agent_overrides_set_one_agents_trainer_and_bad_ones_are_named(tmp_path):
     from miles.config import load_config
     from miles.errors import ConfigError
-    from miles.multiagent.co_evolution import agent_config
+    from miles.multiagent.co_evolution import agent_config, moving_reference
 
     over = '{"player_2": {"use_kl_loss": true, "kl_loss_coef": 0.5, "lr": 1e-5}}'
     cfg = load_config(kuhn_args(tmp_path, "--agent-overrides", over))
     one, two = agent_config(cfg, 0, 8, "player_1"), agent_config(cfg, 1, 8, "player_2")
-    assert (one.algo.use_kl_loss, one.train.lr) == (False, cfg.train.lr)
+    assert (one.algo.use_kl_loss, one.algo.kl_loss_coef, one.train.lr) == (
+        True,
+        0.5,
+        cfg.train.lr,
+    )  # the magnet
     assert (two.algo.use_kl_loss, two.algo.kl_loss_coef, two.train.lr) == (True, 0.5, 1e-5)
+    assert (moving_reference(cfg, "player_1"), moving_reference(cfg, "player_2")) == (
+        True,
+        False,
+    )  # its own pull
+    off = load_config(kuhn_args(tmp_path, "--agent-overrides", over, "--magnet-kl-coef", "0"))
+    assert agent_config(off, 0, 8, "player_1").algo.use_kl_loss is False
     with pytest.raises(ConfigError, match="unknown setting 'kl_coeff'"):
         load_config(kuhn_args(tmp_path, "--agent-overrides", '{"player_2": {"kl_coeff": 1}}'))
     with pytest.raises(ConfigError, match="shared by every agent"):
@@ -307,3 +317,34 @@ def test_agent_overrides_set_one_agents_trainer_and_bad_ones_are_named(tmp_path)
         from miles.run import train
 
         train(load_config(kuhn_args(tmp_path, "--agent-overrides", '{"dealer": {"lr": 1e-5}}')))
+
+
+def test_the_magnet_moves_the_kl_reference_to_the_policy_or_to_saved_weights():
+    """--magnet-kl-coef's reference: after a step the policy has left it (KL > 0); moved, it is
+    the policy (KL exactly 0); moved to saved weights, it is those (the KL before the move)."""
+    from miles.config import load_config
+    from miles.data.sample import Sample
+    from miles.train.policy_trainer import PolicyTrainer
+
+    cfg = load_config(["--model", "tiny", "--use-kl-loss", "--kl-loss-coef", "0.5", "--lr", "1e-2"])
+    trainer = PolicyTrainer(registry.load("tiny")[0], cfg)
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(tokens=torch.randint(0, 250, (12,), generator=g).tolist(), response_length=6) for _ in range(4)
+    ]
+    start = {k: v.clone() for k, v in trainer.hf_weights().items()}
+    trainer.train(samples, [torch.tensor([1.0, -1.0] * 3) for _ in samples])
+    moved_away = torch.cat(trainer.reference_kl(samples)).abs().max()
+    assert moved_away > 1e-4
+    trainer.reset_reference()
+    assert torch.cat(trainer.reference_kl(samples)).abs().max() == 0
+    trainer.reset_reference(start)
+    assert torch.cat(trainer.reference_kl(samples)).abs().max() == moved_away
+    assert (
+        load_config(["--config", str(EXAMPLES / "kuhn_poker_alternating.yaml")]).co_evolution.magnet_kl_coef
+        == 0.5
+    )
+    assert (
+        load_config(["--config", str(EXAMPLES / "kuhn_poker_simultaneous.yaml")]).co_evolution.magnet_kl_coef
+        == 0
+    )

@@ -452,6 +452,7 @@ def validate_co_evolution(cfg: RunConfig) -> None:
     if co.env_path:
         for agent, settings in co.agent_overrides.items():  # the agent names are checked against the env
             with_overrides(cfg, settings, f"--agent-overrides {agent}")
+        resolve_magnet(cfg)
         return
     default = CoEvolutionSection()
     changed = [
@@ -463,6 +464,19 @@ def validate_co_evolution(cfg: RunConfig) -> None:
         raise ConfigError(
             f"{', '.join(changed)} set the co-evolution of several agents, but no environment is given; "
             "add --env-path kuhn_poker (or module:Class), e.g. co_evolution: {env_path: kuhn_poker} in the YAML"
+        )
+
+
+def resolve_magnet(cfg: RunConfig) -> None:
+    """--magnet-kl-coef's default: on (0.5) for the guide's remedies (alternating updates, a
+    population), off for simultaneous updates and where --use-kl-loss asks for a fixed pull."""
+    co, algo = cfg.co_evolution, cfg.algo
+    if co.magnet_kl_coef is None:
+        remedy = co.strategy == "alternating" or co.population_size is not None
+        co.magnet_kl_coef = 0.5 if remedy and not algo.use_kl_loss and not cfg.lora.enabled else 0.0
+    elif co.magnet_kl_coef > 0 and cfg.lora.enabled:
+        raise ConfigError(
+            "--magnet-kl-coef with --lora-rank: LoRA's KL reference is its base and cannot move"
         )
 
 

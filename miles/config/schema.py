@@ -906,6 +906,13 @@ class CoEvolutionSection:
         "per-agent trainer settings, e.g. {proposer: {use_kl_loss: true, kl_loss_coef: 0.5}, solver: {lr: 1e-4}}: "
         "keys of the train: and algo: sections (a YAML mapping, or JSON on the command line)",
     )
+    magnet_kl_coef: float | None = option(
+        None,
+        "KL pull of each agent towards its own policy at the last --co-evolution-interval boundary, a reference "
+        "that moves with it: no collapse to a pure strategy within a phase, no anchor at the start (an agent with "
+        "--use-kl-loss keeps that fixed pull). Default 0.5 with alternating updates or a population, else 0",
+        bounds="[0, inf)",
+    )
     action_warmup_steps: int = option(
         50,
         "before RL, steps of supervised warm-up that spread each agent's first move over the environment's "

@@ -37,6 +37,7 @@ def save_agents(
                 "baseline": agent.baseline,
                 "version": agent.version,
                 "snapshots": list(agent.snapshots),
+                "magnet": agent.magnet,
             }
             for name, agent in agents.items()
         },
@@ -67,6 +68,8 @@ def resume_agents(cfg, agents: dict, rng: random.Random, env, tracker, metrics) 
         agent.executor.trainer.load_state_dict(mine["trainer"])  # Ray: the loaded weights go to the ranks too
         agent.baseline, agent.version = mine["baseline"], mine["version"]
         agent.snapshots = deque(mine["snapshots"], maxlen=agent.snapshots.maxlen)
+        if mine.get("magnet") is not None:  # --magnet-kl-coef: the reference the agent was pulled to
+            agent.move_magnet(mine["magnet"])
         agent.push(agent.version)  # the engine takes the restored weights
     rng.setstate(state["loop_rng"])
     for obj, key in ((env, "env"), (tracker, "tracker")):

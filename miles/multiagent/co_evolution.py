@@ -14,6 +14,10 @@ actors on Ray when --actor-num-gpus-per-node / --rollout-num-gpus ask for more t
    `play`): each agent's tokens are loss-masked into its own samples;
 4. advantage = reward - that agent's own baseline (`role_advantages`); train; push the new
    weights to its engine. Frozen agents' weights do not change (bitwise).
+5. every --co-evolution-interval steps (with --magnet-kl-coef, the default of the alternating and
+   population remedies), each agent's KL reference moves to its policy now: the pull keeps a
+   learner from turning deterministic against fixed opponents within a phase (a policy at
+   P = 1 gets no gradient back), and, unlike a pull to the start, does not hold it there.
 
 Metrics per step: each agent's reward, win rate (against each population member by age) and
 whether it trained, and what the environment reports (Kuhn Poker: exact exploitability of the
@@ -87,7 +91,17 @@ def agent_config(cfg: RunConfig, index: int, requests: int, name: str = "") -> R
     out.train.share_prompts = False
     out.rollout.rollout_seed = cfg.rollout.rollout_seed + index
     out.rollout.rollout_max_batch_size = max(8, min(requests, cfg.rollout.rollout_max_batch_size))
+    if moving_reference(cfg, name):  # a KL reference, moved at each boundary
+        out.algo.use_kl_loss, out.algo.kl_loss_coef = True, cfg.co_evolution.magnet_kl_coef
     return out
+
+
+def moving_reference(cfg: RunConfig, name: str) -> bool:
+    """Whether agent `name`'s KL reference moves (--magnet-kl-coef): not where --use-kl-loss, for
+    every agent or in its --agent-overrides, asks for a fixed pull to its start."""
+    overrides = cfg.co_evolution.agent_overrides.get(name) or {}
+    own = cfg.algo.use_kl_loss or any(str(k).replace("-", "_") == "use_kl_loss" for k in overrides)
+    return bool(cfg.co_evolution.magnet_kl_coef) and not own
 
 
 @dataclass
@@ -97,6 +111,15 @@ class Agent:
     snapshots: deque = field(default_factory=deque)  # (step, HF-named weights), oldest first
     baseline: float = 0.0
     version: int = 0
+    magnet: dict | None = None  # --magnet-kl-coef: the HF-named weights its KL reference holds
+    magnet_on: bool = False  # whether its KL reference moves (no --use-kl-loss of its own)
+
+    def move_magnet(self, weights: dict | None = None) -> None:
+        """The KL reference becomes the policy now (or the saved `weights`, on resume)."""
+        if weights is None:
+            weights = {k: v.detach().clone() for k, v in self.executor.trainer.hf_weights().items()}
+        self.executor.trainer.reset_reference(weights)
+        self.magnet = weights
 
     @property
     def rollout(self):
@@ -120,11 +143,13 @@ def make_agent(
     name: str, index: int, policy, tokenizer, cfg: RunConfig, max_seq_len: int, requests: int
 ) -> Agent:
     acfg = agent_config(cfg, index, requests, name)
-    return Agent(
+    agent = Agent(
         name,
         build_executor(acfg, policy, tokenizer, max_seq_len),
         deque(maxlen=cfg.co_evolution.population_size or 1),
     )
+    agent.magnet_on = moving_reference(cfg, name)
+    return agent
 
 
 @contextmanager
@@ -213,6 +238,8 @@ def train_agents(cfg: RunConfig) -> Path:
         agents[name] = make_agent(name, i, policy, tokenizer, cfg, max_seq_len, requests)
         if co.population_size is not None:
             agents[name].snapshot(0)
+        if agents[name].magnet_on and not resuming:  # the first magnet: the policy after the warm-up
+            agents[name].move_magnet()
     del base
     names = list(env.agents)
     episodes, tracker = spec.episodes, spec.tracker
@@ -270,6 +297,10 @@ def train_agents(cfg: RunConfig) -> Path:
             if co.population_size is not None and (step + 1) % co.co_evolution_interval == 0:
                 for n in names:
                     agents[n].snapshot(step + 1)
+            if (step + 1) % co.co_evolution_interval == 0:
+                for n in names:  # each moving KL reference moves to where its agent now is
+                    if agents[n].magnet_on:
+                        agents[n].move_magnet()
             if tracker is not None:
                 policies = Policies(agents)  # fetched only if the tracker reads them (Ray: from rank 0)
                 record.update(tracker(env, policies, tokenizer, {n: agents[n].rollout for n in names}))

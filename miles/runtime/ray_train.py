@@ -278,6 +278,9 @@ class TrainerActor(GroupSender):
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         return self.actor.reference_kl(samples)
 
+    def reset_reference(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.actor.reset_reference(weights)
+
     def shutdown(self) -> None:
         dist.destroy_process_group()
 
@@ -391,6 +394,10 @@ class RayTrainer:
 
     def set_precision(self, mode: str) -> None:
         ray.get(self._submit(lambda: [r.set_precision.remote(mode) for r in self.ranks]))
+
+    def reset_reference(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Every rank's KL reference becomes its policy now, or `weights` (HF-named)."""
+        ray.get(self._submit(lambda: [r.reset_reference.remote(weights) for r in self.ranks]))
 
     def weight_group_address(self) -> tuple[str, int]:
         return rendezvous(self._rank0_options)

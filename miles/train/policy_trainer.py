@@ -181,6 +181,16 @@ class PolicyTrainer:
             "consecutive_skipped": self.consecutive_skipped,
         }
 
+    @torch.no_grad()
+    def reset_reference(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Make the KL reference the policy as it is now, or `weights` (HF-named, as `hf_weights`
+        gives them): co-evolution's moving reference (--magnet-kl-coef)."""
+        if self.ref_model is None:
+            raise ConfigError("a moving KL reference needs the trainer's reference model (--use-kl-loss)")
+        source = weights if weights is not None else published_weights(self.model)
+        for name, tensor in published_weights(self.ref_model).items():
+            tensor.copy_(source[name])
+
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
