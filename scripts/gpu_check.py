@@ -437,6 +437,11 @@ def main() -> None:
         "LoRA r=8, zero-copy (adapters mapped)",
         False,
     )
+    default_job_on_cuda(["--eval-engine", "own"], "default job, evaluation on its own engine")
+    default_job_on_cuda(
+        ["--use-opd", "--opd-teacher-load", "tiny", "--opd-type", "loss", "--opd-topk-per-position", "16"],
+        "default job, OPD top-16 bins (teacher = the base)",
+    )
     sglang_backend()
     gpus = torch.cuda.device_count()
     ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)

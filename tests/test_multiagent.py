@@ -214,7 +214,7 @@ def test_doctor_names_oscillation_and_dominance_and_its_remedies_load(tmp_path):
     assert (
         found and "stopped exploring" in found.cause and "100% of P(bet) at 0 or 1" in found.evidence[0].note
     )
-    assert ["--use-kl-loss", "--kl-loss-coef", "0.2"] in [r.flags for r in found.remedies]
+    assert ["--magnet-kl-coef", "0.5"] in [r.flags for r in found.remedies]
     dominated = [{"agent_reward_player_1": 0.9, "agent_reward_player_2": -0.9} for _ in range(40)]
     found = write(dominated)
     assert found and "player_1 dominates" in found.cause and "player_2 is dominated" in found.cause

@@ -641,12 +641,14 @@ def expert_drops(run: RunRecord, compare: RunRecord | None):
 
 def _co_evolution_remedies(run: RunRecord) -> list[Remedy]:
     remedies = []
-    if not (run.setting("algo.use_kl_loss") and (run.setting("algo.kl_loss_coef") or 0) > 0):
+    pulled = run.setting("algo.use_kl_loss") and (run.setting("algo.kl_loss_coef") or 0) > 0
+    if not pulled and not run.setting("co_evolution.magnet_kl_coef"):
         remedies.append(
             Remedy(
-                ["--use-kl-loss", "--kl-loss-coef", "0.2"],
-                "a KL pull towards each agent's starting policy keeps both moves sampled, so the policies "
-                "cannot run to the deterministic corners they chase each other between (docs/multi_agent.md)",
+                ["--magnet-kl-coef", "0.5"],
+                "a KL pull towards each agent's own policy of the last interval (moved with it) keeps both moves "
+                "sampled, so the policies cannot run to the deterministic corners they chase each other between "
+                "(docs/multi_agent.md)",
             )
         )
     if run.setting("co_evolution.strategy") != "alternating":
