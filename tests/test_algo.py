@@ -36,9 +36,13 @@ def test_grpo_hand_example():
 @given(st.integers(1, 5), st.integers(1, 6), st.integers(0, 10_000))
 def test_grpo_groups_sum_to_zero(groups, size, seed):
     rewards = torch.rand(groups * size, generator=torch.Generator().manual_seed(seed))
+    g = rewards.view(groups, size)
     for norm in (True, False):
         adv = A.grpo(rewards, size, std_normalize=norm).view(groups, size)
-        assert adv.sum(-1).abs().max() < 1e-4
+        # times the group's divisor, the sum is that of the centred rewards: 0 up to fp32 rounding
+        # (a near-tie group's small std magnifies the rounding, so the sum itself is not bounded)
+        divisor = g.std(-1) + 1e-6 if norm and size > 1 else torch.ones(groups)
+        assert (adv.sum(-1) * divisor).abs().max() <= size * 2**-23
 
 
 def test_rloo_hand_example():

@@ -262,14 +262,38 @@ def test_proposer_solver_episodes_score_each_attempt_and_group_them():
         assert sample.reward == proposer_reward(state["problem"] is not None, passed)
 
 
-def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path):
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (
+            "--strategy",
+            "simultaneous",
+            "--co-evolution-interval",
+            "1",
+            "--population-size",
+            "2",
+        ),  # moving reference
+        (
+            "--strategy",
+            "simultaneous",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.2",
+            "--action-warmup-steps",
+            "3",
+        ),
+    ],
+    ids=["population-moving-reference", "fixed-reference-after-warm-up"],
+)
+def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path, flags):
     """Two steps, stop, resume to four: the same metrics (rewards, snapshots drawn, the average
-    policy's exploitability) and bitwise the same weights as four steps in one go."""
+    policy's exploitability) and bitwise the same weights as four steps in one go, with each
+    agent's KL reference (moved every interval, or fixed at the policy after the warm-up, which
+    the resumed run does not repeat) restored."""
     from miles.config import load_config
     from miles.run import train
     from miles.runtime.metrics import read_metrics
 
-    flags = ("--strategy", "simultaneous", "--co-evolution-interval", "1", "--population-size", "2")
     whole, ckpt = tmp_path / "whole", tmp_path / "ckpt"
     train(load_config(kuhn_args(whole, *flags, "--num-rollout", "4")))
     part = tmp_path / "part"

@@ -50,6 +50,7 @@ from miles.runtime.executors import Executor, build_executor
 from miles.runtime.loop import due
 from miles.runtime.metrics import MetricsLogger, run_dir_for
 from miles.runtime.train_state import latest_checkpoint
+from miles.train.policy_trainer import needs_reference
 
 log = logging.getLogger("miles")
 
@@ -111,8 +112,9 @@ class Agent:
     snapshots: deque = field(default_factory=deque)  # (step, HF-named weights), oldest first
     baseline: float = 0.0
     version: int = 0
-    magnet: dict | None = None  # --magnet-kl-coef: the HF-named weights its KL reference holds
+    magnet: dict | None = None  # the HF-named weights its KL reference holds (moving or fixed), checkpointed
     magnet_on: bool = False  # whether its KL reference moves (no --use-kl-loss of its own)
+    keeps_reference: bool = False  # whether its trainer holds a KL reference (moving or fixed)
 
     def move_magnet(self, weights: dict | None = None) -> None:
         """The KL reference becomes the policy now (or the saved `weights`, on resume)."""
@@ -149,6 +151,9 @@ def make_agent(
         deque(maxlen=cfg.co_evolution.population_size or 1),
     )
     agent.magnet_on = moving_reference(cfg, name)
+    # a fixed KL reference is kept too: the policy after the warm-up, which a resumed run (no
+    # warm-up) could not rebuild
+    agent.keeps_reference = needs_reference(acfg) and not (acfg.lora.enabled or acfg.algo.teacher_in_trainer)
     return agent
 
 
@@ -238,7 +243,7 @@ def train_agents(cfg: RunConfig) -> Path:
         agents[name] = make_agent(name, i, policy, tokenizer, cfg, max_seq_len, requests)
         if co.population_size is not None:
             agents[name].snapshot(0)
-        if agents[name].magnet_on and not resuming:  # the first magnet: the policy after the warm-up
+        if agents[name].keeps_reference and not resuming:  # the policy after the warm-up
             agents[name].move_magnet()
     del base
     names = list(env.agents)
