@@ -372,3 +372,25 @@ def test_the_magnet_moves_the_kl_reference_to_the_policy_or_to_saved_weights():
         load_config(["--config", str(EXAMPLES / "kuhn_poker_simultaneous.yaml")]).co_evolution.magnet_kl_coef
         == 0
     )
+
+
+def test_the_payoff_table_averages_each_snapshot_age_over_the_second_half(tmp_path):
+    import json
+
+    from miles.diagnostics.plot import payoff_table, plot_run
+
+    rows = [
+        {"rollout": -1, "win_rate_player_1_vs_player_2_age0": 0.0},  # before training: not a step
+        {"rollout": 0, "win_rate_player_1_vs_player_2_age0": 0.9},  # first half: left out
+        {"rollout": 1, "win_rate_player_1_vs_player_2_age1": 0.9},
+        {"rollout": 2, "win_rate_player_1_vs_player_2_age0": 0.2, "win_rate_player_2_vs_player_1_age1": 0.5},
+        {"rollout": 3, "win_rate_player_1_vs_player_2_age0": 0.6, "win_rate_player_1_vs_player_2_age1": 0.3},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = payoff_table(rows)
+    assert table == {
+        "player_1 vs player_2": {0: pytest.approx(0.4), 1: 0.3},
+        "player_2 vs player_1": {1: 0.5},
+    }
+    written = plot_run(tmp_path)
+    assert tmp_path / "plots" / "population_payoff.png" in written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from pathlib import Path
 
 from miles.errors import MilesError
@@ -78,6 +79,43 @@ def panel_keys(keys: list[str], records: list[dict]) -> list[str]:
     return out
 
 
+PAYOFF = re.compile(r"win_rate_(.+)_vs_(.+)_age(\d+)$")
+
+
+def payoff_table(records: list[dict]) -> dict[str, dict[int, float]]:
+    """--population-size: each learner's mean win rate against each opponent's snapshot by age
+    (0: the newest), over the run's second half: {"learner vs opponent": {age: win rate}}."""
+    sums: dict[str, dict[int, list[float]]] = {}
+    steps = [r for r in records if r["rollout"] >= 0]
+    for record in steps[len(steps) // 2 :]:
+        for key, value in record.items():
+            if (match := PAYOFF.match(key)) and isinstance(value, (int, float)):
+                row = sums.setdefault(f"{match[1]} vs {match[2]}", {})
+                row.setdefault(int(match[3]), []).append(float(value))
+    return {
+        row: {age: sum(v) / len(v) for age, v in sorted(ages.items())} for row, ages in sorted(sums.items())
+    }
+
+
+def plot_payoffs(table: dict[str, dict[int, float]], path: Path) -> None:
+    """The payoff table as a heat map: a row per learner and opponent, a column per snapshot age."""
+    import matplotlib.pyplot as plt
+
+    ages = sorted({age for row in table.values() for age in row})
+    fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(ages), 0.8 + 0.6 * len(table)))
+    cells = [[row.get(age, float("nan")) for age in ages] for row in table.values()]
+    ax.imshow(cells, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, line in enumerate(cells):
+        for j, value in enumerate(line):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(ages)), [f"age {a}" for a in ages])
+    ax.set_yticks(range(len(table)), list(table))
+    ax.set_title("population payoffs: win rate, second half")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib
 
@@ -112,4 +150,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    if table := payoff_table(records):
+        plot_payoffs(table, out_dir / "population_payoff.png")
+        written.append(out_dir / "population_payoff.png")
     return written
