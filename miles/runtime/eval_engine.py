@@ -15,18 +15,15 @@ that step again unless its figures reached the metrics file before the stop.
 
 from __future__ import annotations
 
-import copy
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from miles.config.schema import RunConfig
-from miles.quant.convert import prepare_rollout_model
 from miles.rewards.runner import RewardRunner
-from miles.rollout.engine import Engine
 from miles.rollout.evaluation import EvalSet, evaluate_all
-from miles.runtime.devices import resolve_device
+from miles.runtime.executors import local_engine
 from miles.sync.strategy import InProcessBuckets
 
 log = logging.getLogger("miles")
@@ -34,16 +31,14 @@ log = logging.getLogger("miles")
 
 class OwnEvaluation:
     """An evaluation engine with its own rewards (and rollout mode): `submit` copies the
-    trainer's weights into it and starts the evaluation; `ready` hands back finished ones."""
+    trainer's weights into it and starts the evaluation; `ready` hands back finished ones.
+    `base`: a copy of the policy as loaded, which the engine takes over."""
 
     def __init__(self, cfg: RunConfig, base: torch.nn.Module, tokenizer, max_seq_len: int,
                  sets: list[EvalSet], rewards: RewardRunner, mode=None) -> None:  # fmt: skip
-        rollout_cfg = cfg.rollout
-        model = prepare_rollout_model(copy.deepcopy(base), cfg).to(resolve_device(cfg.model.device))
-        self.engine = Engine(model, tokenizer, rollout_cfg.rollout_max_batch_size, max_seq_len=max_seq_len,
-                             seed=rollout_cfg.rollout_seed, **rollout_cfg.decode_options())  # fmt: skip
+        self.engine = local_engine(cfg, base, tokenizer, max_seq_len)
         self.cfg, self.sets, self.rewards, self.mode = cfg, sets, rewards, mode
-        self.bucket_bytes = cfg.sync.sync_bucket_size
+        self.sync: InProcessBuckets | None = None  # built once: its staging buffer serves every copy
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="miles-eval")
         self.running: list[tuple[int, Future]] = []
         log.info(
@@ -56,7 +51,9 @@ class OwnEvaluation:
         """Evaluate the trainer's weights now (the policy after `rollout_id`; -1: before
         training); returns the evaluations that had to finish first (logged by the caller)."""
         finished = self.ready(wait=True)  # the engine takes new weights only when idle
-        InProcessBuckets(trainer, self.engine, self.bucket_bytes).push(rollout_id + 1)
+        if self.sync is None:
+            self.sync = InProcessBuckets(trainer, self.engine, self.cfg.sync.sync_bucket_size)
+        self.sync.push(rollout_id + 1)
         self.running.append(
             (
                 rollout_id,

@@ -15,11 +15,9 @@ from miles.data.run_data import build_data
 from miles.errors import ConfigError
 from miles.lora.adapters import merge_and_unload, spec_of
 from miles.models import registry
-from miles.quant.convert import prepare_rollout_model
 from miles.rewards.runner import RewardRunner
-from miles.rollout.engine import Engine
 from miles.rollout.evaluation import eval_sets_of, evaluate_all
-from miles.runtime.devices import resolve_device
+from miles.runtime.executors import local_engine
 from miles.runtime.loop import engine_context
 from miles.runtime.train_state import load_latest
 from miles.train.prepare import add_lora
@@ -51,11 +49,7 @@ def evaluate_checkpoint(cfg: RunConfig) -> dict[str, float]:
         served = copy.deepcopy(policy)
         if spec_of(served) is not None:  # the engines serve base + adapter merged
             merge_and_unload(served)
-        served = prepare_rollout_model(served, cfg).to(resolve_device(cfg.model.device))
-        max_seq_len = engine_context(cfg, data, tokenizer, context, mode)
-        rollout_cfg = cfg.rollout
-        engine = Engine(served, tokenizer, rollout_cfg.rollout_max_batch_size, max_seq_len=max_seq_len,
-                        seed=rollout_cfg.rollout_seed, **rollout_cfg.decode_options())  # fmt: skip
+        engine = local_engine(cfg, served, tokenizer, engine_context(cfg, data, tokenizer, context, mode))
         return evaluate_all(engine, sets, cfg, rewards, mode)
     finally:
         rewards.close()

@@ -107,18 +107,21 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
         replay = ReplayRollout(tokenizer)
         return Executor(local_trainer(cfg, policy, teacher), replay, NoSync(replay))
     slots = rollout_cfg.rollout_max_batch_size
-    engine = Engine(
-        prepare_rollout_model(copy.deepcopy(policy), cfg),
-        tokenizer,
-        slots,
-        max_seq_len=max_seq_len,
-        seed=rollout_cfg.rollout_seed,
-        speculator=speculator_for(cfg.speculative, policy, slots, max_seq_len, draft),
-        **rollout_cfg.decode_options(),
-    )
+    speculator = speculator_for(cfg.speculative, policy, slots, max_seq_len, draft)
+    engine = local_engine(cfg, copy.deepcopy(policy), tokenizer, max_seq_len, speculator)
     log.info("rollout engine decode step: %s", engine.decode_path)
     trainer = local_trainer(cfg, policy, teacher)
     return with_adapters_served(cfg, Executor(trainer, engine, weight_sync_for(sync_cfg, trainer, engine)))
+
+
+def local_engine(cfg: RunConfig, model, tokenizer, max_seq_len: int, speculator=None) -> Engine:
+    """An engine in this process over `model` (consumed: converted to the rollout's precision and
+    moved to --device), with the run's batch size, seed and decode step: the rollout engine, and
+    the engines that evaluate (`--eval-engine own`, `miles eval`)."""
+    rollout_cfg = cfg.rollout
+    served = prepare_rollout_model(model, cfg).to(resolve_device(cfg.model.device))
+    return Engine(served, tokenizer, rollout_cfg.rollout_max_batch_size, max_seq_len=max_seq_len,
+                  seed=rollout_cfg.rollout_seed, speculator=speculator, **rollout_cfg.decode_options())  # fmt: skip
 
 
 def with_adapters_served(cfg: RunConfig, executor: Executor) -> Executor:
