@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from miles.algo.logprobs import DEFAULT_CHUNK, chunked
 from miles.data.sample import Sample
 from miles.errors import ConfigError, MilesError
 
@@ -149,16 +149,16 @@ def _binned_kl_rows(logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tens
 
 
 def topk_reverse_kl(
-    logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, temperature: float, chunk: int = 1024
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    teacher: torch.Tensor,
+    temperature: float,
+    chunk: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
     """Per row, KL(pi || pi_T) over K + 1 bins: the teacher's top-K tokens `ids` (rows, K) with
     its log-probs `teacher`, and the rest of the vocabulary as one bin; pi = softmax(logits / T).
     Row chunks are recomputed in backward, as for the log-probs."""
-    outs = []
-    for rows in zip(logits.split(chunk), ids.split(chunk), teacher.split(chunk)):
-        fn = lambda lg, i, t: _binned_kl_rows(lg, i, t, temperature)  # noqa: E731
-        outs.append(checkpoint(fn, *rows, use_reentrant=False) if logits.requires_grad else fn(*rows))
-    return torch.cat(outs) if outs else logits.new_zeros(0)
+    return chunked(lambda lg, i, t: _binned_kl_rows(lg, i, t, temperature), logits, ids, teacher, chunk=chunk)
 
 
 def sample_topk(sample: Sample, device) -> tuple[torch.Tensor, torch.Tensor]:

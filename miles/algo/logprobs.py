@@ -27,10 +27,12 @@ def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def _chunked(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk: int) -> torch.Tensor:
+    """fn over row chunks of `logits` (..., V) and of each `extra` (..., *its own row shape),
+    recomputed in backward when logits need gradients; result shape logits.shape[:-1]."""
     shape = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    extra = tuple(e.reshape(-1) for e in extra)
+    extra = tuple(e.reshape(flat.shape[0], *e.shape[len(shape) :]) for e in extra)
     outs = []
     # split, not slicing: split's backward is one cat, a slice's is a full-size zero tensor each
     for rows in zip(flat.split(chunk), *(e.split(chunk) for e in extra)):
@@ -45,9 +47,9 @@ def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[target] for logits (..., V) and targets (...)."""
-    return _chunked(lambda lg, tg: _logprob_rows(lg, tg, temperature), logits, targets, chunk=chunk)
+    return chunked(lambda lg, tg: _logprob_rows(lg, tg, temperature), logits, targets, chunk=chunk)
 
 
 def entropy(logits: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """Entropy -sum p log p of softmax(logits) per position, shape logits.shape[:-1]."""
-    return _chunked(_entropy_rows, logits, chunk=chunk)
+    return chunked(_entropy_rows, logits, chunk=chunk)
