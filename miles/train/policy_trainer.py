@@ -86,6 +86,11 @@ def loss_denominator(samples: Sequence[Sample], agg: str) -> float:
     return float(len(samples))
 
 
+def response_positions(sample: Sample) -> slice:
+    """The positions of a packed row (B, T - 1) whose targets are the sample's response tokens."""
+    return slice(sample.prompt_length - 1, len(sample.tokens) - 1)
+
+
 def needs_reference(cfg: RunConfig) -> bool:
     """A frozen reference model is kept when a KL term is on (loss or REINFORCE++ reward), and
     for on-policy distillation (the reference is then the teacher)."""
@@ -308,18 +313,23 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def logprobs(
-        self, samples: Sequence[Sample], model: Transformer | None = None, replay: bool = True
+        self, samples: Sequence[Sample], model: Transformer | None = None, replay: bool = True, topk: int = 0
     ) -> list[torch.Tensor]:
         """Per-sample response log-probs under `model` (default: the policy), micro-batched;
-        `replay`: with --use-r3, through the experts the rollout chose (not for a teacher)."""
+        `replay`: with --use-r3, through the experts the rollout chose (not for a teacher);
+        `topk`: the same forward also sets the model's top-k per response position on each sample
+        (`attach_topk`: a loaded --use-opd teacher's, as a teacher server's answer does)."""
         model = model or self.model
+        temperature = self.cfg.rollout.rollout_temperature or 1.0
         out: list[torch.Tensor | None] = [None] * len(samples)
         for part in self.micro_batches(range(len(samples)), samples):
             chunk = [samples[i] for i in part]
             batch = pack_samples(chunk, self.cfg.algo.use_r3 and replay, shares_prompts(self.cfg))
-            logp, _, _ = forward_logprobs(model, batch, self.cfg.rollout.rollout_temperature)
+            logp, logits, _ = forward_logprobs(model, batch, temperature)
             for b, (i, s) in enumerate(zip(part, chunk)):
-                out[i] = logp[b, s.prompt_length - 1 : len(s.tokens) - 1].clone()
+                out[i] = logp[b, response_positions(s)].clone()
+                if topk:
+                    attach_topk(s, *topk_of(logits[b, response_positions(s)], topk, temperature))
         return out  # type: ignore[return-value]
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -338,24 +348,10 @@ class PolicyTrainer:
         # a teacher (--use-opd) routes its own experts; the initial policy's copy replays the rollout's
         return self.logprobs(samples, self.ref_model, replay=not self.cfg.algo.teacher_in_trainer)
 
-    @torch.no_grad()
     def teacher_logprobs(self, samples: Sequence[Sample], topk: int = 0) -> list[torch.Tensor]:
-        """--opd-teacher-load: log pi_T of each response token (the KL reference is the teacher);
-        with `topk`, the same forward also sets the teacher's top-k per response position on each
-        sample (`attach_topk`), as a teacher server's answer does."""
-        if not topk:
-            return self.reference_logprobs(samples)  # type: ignore[return-value]
-        temperature = self.cfg.rollout.rollout_temperature or 1.0
-        out: list[torch.Tensor | None] = [None] * len(samples)
-        for part in self.micro_batches(range(len(samples)), samples):
-            chunk = [samples[i] for i in part]
-            batch = pack_samples(chunk, False, shares_prompts(self.cfg))
-            logp, logits, _ = forward_logprobs(self.ref_model, batch, temperature)
-            for b, (i, s) in enumerate(zip(part, chunk)):
-                positions = slice(s.prompt_length - 1, len(s.tokens) - 1)
-                out[i] = logp[b, positions].clone()
-                attach_topk(s, *topk_of(logits[b, positions], topk, temperature))
-        return out  # type: ignore[return-value]
+        """--opd-teacher-load: log pi_T of each response token (the KL reference is the teacher),
+        and with `topk` its top-k per response position set on each sample."""
+        return self.logprobs(samples, self.ref_model, replay=False, topk=topk)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         if self.all_sum is None:
@@ -475,7 +471,7 @@ class PolicyTrainer:
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
         for b, s in enumerate(samples):
-            sl = slice(s.prompt_length - 1, len(s.tokens) - 1)
+            sl = response_positions(s)
             adv[b, sl] = advantages[b]
             old_t[b, sl] = old[b] if old[b] is not None else logp[b, sl].detach()
             if s.rollout_log_probs is not None:
@@ -536,9 +532,9 @@ class PolicyTrainer:
             per_token = torch.zeros_like(logp)
             temperature = cfg.rollout.rollout_temperature or 1.0
             for b, s in enumerate(samples):
-                positions = slice(s.prompt_length - 1, len(s.tokens) - 1)
-                per_token[b, positions] = topk_reverse_kl(
-                    logits[b, positions], *sample_topk(s, logp.device), temperature
+                rows = response_positions(s)
+                per_token[b, rows] = topk_reverse_kl(
+                    logits[b, rows], *sample_topk(s, logp.device), temperature
                 )
             kl = aggregate(per_token, mask, agg, norm, denominator)
             loss = loss + algo.opd_kl_coef * kl
