@@ -138,7 +138,8 @@ def test_population_opponents_are_stored_snapshots(tmp_path):
     cfg = load_config(kuhn_args(tmp_path, "--population-size", "3"))
     policy, tokenizer = registry.load("tiny")
     agents = {
-        n: make_agent(n, i, copy.deepcopy(policy), tokenizer, cfg, 16, 8) for i, n in enumerate(kuhn.PLAYERS)
+        n: make_agent(n, i, copy.deepcopy(policy), tokenizer, cfg, 16, 8, resuming=False)
+        for i, n in enumerate(kuhn.PLAYERS)
     }
     opponent = agents["player_2"]
     head = opponent.policy().lm_head.weight

@@ -3,7 +3,7 @@
 The single-policy checkpoint format (`miles.runtime.train_state`) with one model per agent:
 SAVE/iter_<step>/agents/<name>/ holds each agent's weights (an HF checkpoint) and
 SAVE/iter_<step>/trainer_state.pt everything else a run needs to continue exactly: each agent's
-optimizer, baseline, weight version and population snapshots, the loop's random state, and the
+optimizer, baseline, weight version, population snapshots and KL reference, the loop's random state, and the
 environment's and tracker's own state (their `state_dict`, when they have one). Written whole or
 not at all, with the same `latest` marker; a corrupt newest checkpoint falls back to the one
 before it, as a single-policy run's does.
@@ -37,7 +37,7 @@ def save_agents(
                 "baseline": agent.baseline,
                 "version": agent.version,
                 "snapshots": list(agent.snapshots),
-                "magnet": agent.magnet,
+                "reference": agent.reference,
             }
             for name, agent in agents.items()
         },
@@ -68,8 +68,8 @@ def resume_agents(cfg, agents: dict, rng: random.Random, env, tracker, metrics) 
         agent.executor.trainer.load_state_dict(mine["trainer"])  # Ray: the loaded weights go to the ranks too
         agent.baseline, agent.version = mine["baseline"], mine["version"]
         agent.snapshots = deque(mine["snapshots"], maxlen=agent.snapshots.maxlen)
-        if mine.get("magnet") is not None:  # --magnet-kl-coef: the reference the agent was pulled to
-            agent.move_magnet(mine["magnet"])
+        if mine.get("reference") is not None:  # the KL reference it was pulled to (moving or fixed)
+            agent.hold_reference(mine["reference"])
         agent.push(agent.version)  # the engine takes the restored weights
     rng.setstate(state["loop_rng"])
     for obj, key in ((env, "env"), (tracker, "tracker")):

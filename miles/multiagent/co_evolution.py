@@ -112,16 +112,15 @@ class Agent:
     snapshots: deque = field(default_factory=deque)  # (step, HF-named weights), oldest first
     baseline: float = 0.0
     version: int = 0
-    magnet: dict | None = None  # the HF-named weights its KL reference holds (moving or fixed), checkpointed
-    magnet_on: bool = False  # whether its KL reference moves (no --use-kl-loss of its own)
-    keeps_reference: bool = False  # whether its trainer holds a KL reference (moving or fixed)
+    reference: dict | None = None  # HF-named weights its KL reference holds (None: none), checkpointed
+    reference_moves: bool = False  # --magnet-kl-coef: it moves to the policy at every interval boundary
 
-    def move_magnet(self, weights: dict | None = None) -> None:
+    def hold_reference(self, weights: dict | None = None) -> None:
         """The KL reference becomes the policy now (or the saved `weights`, on resume)."""
         if weights is None:
             weights = {k: v.detach().clone() for k, v in self.executor.trainer.hf_weights().items()}
         self.executor.trainer.reset_reference(weights)
-        self.magnet = weights
+        self.reference = weights
 
     @property
     def rollout(self):
@@ -142,18 +141,20 @@ class Agent:
 
 
 def make_agent(
-    name: str, index: int, policy, tokenizer, cfg: RunConfig, max_seq_len: int, requests: int
+    name: str, index: int, policy, tokenizer, cfg: RunConfig, max_seq_len: int, requests: int, resuming: bool
 ) -> Agent:
+    """Agent `name` over `policy` (after its warm-up). A KL reference, moving or fixed, is taken
+    now and checkpointed: a resumed run (no warm-up) restores it instead of rebuilding it."""
     acfg = agent_config(cfg, index, requests, name)
     agent = Agent(
         name,
         build_executor(acfg, policy, tokenizer, max_seq_len),
         deque(maxlen=cfg.co_evolution.population_size or 1),
     )
-    agent.magnet_on = moving_reference(cfg, name)
-    # a fixed KL reference is kept too: the policy after the warm-up, which a resumed run (no
-    # warm-up) could not rebuild
-    agent.keeps_reference = needs_reference(acfg) and not (acfg.lora.enabled or acfg.algo.teacher_in_trainer)
+    agent.reference_moves = moving_reference(cfg, name)
+    held = needs_reference(acfg) and not (acfg.lora.enabled or acfg.algo.teacher_in_trainer)
+    if held and not resuming:
+        agent.hold_reference()
     return agent
 
 
@@ -240,11 +241,9 @@ def train_agents(cfg: RunConfig) -> Path:
                 outside,
                 env.action_tokens,
             )
-        agents[name] = make_agent(name, i, policy, tokenizer, cfg, max_seq_len, requests)
+        agents[name] = make_agent(name, i, policy, tokenizer, cfg, max_seq_len, requests, resuming)
         if co.population_size is not None:
             agents[name].snapshot(0)
-        if agents[name].keeps_reference and not resuming:  # the policy after the warm-up
-            agents[name].move_magnet()
     del base
     names = list(env.agents)
     episodes, tracker = spec.episodes, spec.tracker
@@ -304,8 +303,8 @@ def train_agents(cfg: RunConfig) -> Path:
                     agents[n].snapshot(step + 1)
             if (step + 1) % co.co_evolution_interval == 0:
                 for n in names:  # each moving KL reference moves to where its agent now is
-                    if agents[n].magnet_on:
-                        agents[n].move_magnet()
+                    if agents[n].reference_moves:
+                        agents[n].hold_reference()
             if tracker is not None:
                 policies = Policies(agents)  # fetched only if the tracker reads them (Ray: from rank 0)
                 record.update(tracker(env, policies, tokenizer, {n: agents[n].rollout for n in names}))
