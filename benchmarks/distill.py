@@ -4,8 +4,9 @@ The teacher is the default job's base after `--teacher-steps` RL steps of the de
 better arithmetician than the base). The student starts from the base and trains
 `--steps` rollouts of the same job four ways: GRPO on the task reward alone, GRPO plus OPD in
 the advantage (`--use-opd --opd-type advantage`), plus OPD in the loss (`--opd-type loss`, k3),
-and plus the loss over the teacher's top-16 bins (`--opd-topk-per-position 16`). Printed: held-out accuracy (greedy, 200 problems) at the start and the end, and the
-reverse KL to the teacher (opd_kl, nats per token) at the first and the last step.
+and plus the loss over the teacher's top-16 bins (`--opd-topk-per-position 16`). Printed:
+held-out accuracy (greedy, 200 problems) at the start and the end, and the reverse KL to the
+teacher (opd_kl, nats per token) at the first and the last step.
 
     .venv/bin/python benchmarks/distill.py                 # the table of docs/distillation.md
     .venv/bin/python benchmarks/distill.py --teacher-steps 60 --steps 20   # longer

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -113,10 +114,9 @@ def module_of(nodeid: str) -> str:
 def pytest_collection_modifyitems(config, items) -> None:
     """The Ray modules' tests first, then the other modules, those with the most tests first
     (the order the workers take them in)."""
-    sizes: dict[str, int] = {}
-    for item in items:
-        sizes[module_of(item.nodeid)] = sizes.get(module_of(item.nodeid), 0) + 1
-    items.sort(key=lambda item: (module_of(item.nodeid) not in RAY_MODULES, -sizes[module_of(item.nodeid)]))
+    modules = {id(item): module_of(item.nodeid) for item in items}
+    sizes = Counter(modules.values())
+    items.sort(key=lambda item: (modules[id(item)] not in RAY_MODULES, -sizes[modules[id(item)]]))
 
 
 def pytest_xdist_make_scheduler(config, log):

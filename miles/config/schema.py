@@ -307,7 +307,7 @@ class AlgoSection:
     opd_teacher_url: str | None = option(
         None,
         "the teacher of --use-opd behind a server (SGLang or miles serve, its /generate): it scores each sample's "
-        "tokens with a prefill-only request; the advantage form only (--opd-type advantage)",
+        "tokens with a prefill-only request; the loss form needs --opd-topk-per-position",
     )
     opd_type: str = option(
         "advantage",

@@ -394,13 +394,7 @@ class EngineServer:
             return self.score(body, raw)
         params = parse_sampling(body.get("sampling_params"))
         prompts, batch = parse_prompts(body, self.engine.tokenizer, self._max_chars())
-        for p in prompts:
-            if len(p) >= self.engine.max_seq_len:
-                raise BadRequest(
-                    f"prompt of {len(p)} tokens does not fit the context of {self.engine.max_seq_len}"
-                )
-            if max(p) >= self.engine.model.config.vocab_size or min(p) < 0:
-                raise BadRequest(f"input_ids must be in [0, {self.engine.model.config.vocab_size})")
+        self._check_inputs(prompts, "prompt", self.engine.max_seq_len - 1)  # room for a token
         if params.stop and self.engine.tokenizer is None:
             raise BadRequest("stop strings need a tokenizer; use stop_token_ids")
         futures = [self.submit(Request(list(p), SamplingParams(**vars(params)))) for p in prompts]
@@ -412,6 +406,17 @@ class EngineServer:
             for s in samples
         ]
         return out if batch else out[0]
+
+    def _check_inputs(self, prompts, what: str, longest: int) -> None:
+        """Each token sequence at most `longest` tokens long, of ids in the vocabulary."""
+        vocab = self.engine.model.config.vocab_size
+        for p in prompts:
+            if len(p) > longest:
+                raise BadRequest(
+                    f"{what} of {len(p)} tokens does not fit the context of {self.engine.max_seq_len}"
+                )
+            if max(p) >= vocab or min(p) < 0:
+                raise BadRequest(f"input_ids must be in [0, {vocab})")
 
     def score(self, body: dict, raw_params: dict) -> Any:
         """SGLang's prefill-only request (max_new_tokens 0, return_logprob): meta_info.input_token_logprobs
@@ -430,13 +435,7 @@ class EngineServer:
         if not isinstance(topk, int) or isinstance(topk, bool) or not 0 <= topk <= vocab:
             raise BadRequest(f"top_logprobs_num must be an integer in [0, {vocab}], got {topk!r}")
         prompts, batch = parse_prompts(body, self.engine.tokenizer, self._max_chars())
-        for p in prompts:
-            if len(p) > self.engine.max_seq_len:
-                raise BadRequest(
-                    f"input of {len(p)} tokens does not fit the context of {self.engine.max_seq_len}"
-                )
-            if max(p) >= self.engine.model.config.vocab_size or min(p) < 0:
-                raise BadRequest(f"input_ids must be in [0, {self.engine.model.config.vocab_size})")
+        self._check_inputs(prompts, "input", self.engine.max_seq_len)
         scored = self.engine.score([list(p) for p in prompts], float(temperature), topk)
         out = []
         for ids, one in zip(prompts, scored):

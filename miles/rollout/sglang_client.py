@@ -383,9 +383,8 @@ class SGLangRollout:
         """A server set aside for a missed update serves again once it has loaded the current weights."""
         for server in [s for s in self.servers if s.stale]:
             try:
-                self._call(
-                    server, "/get_server_info", timeout=READMIT_PROBE_S
-                )  # a host that is down costs this
+                # a host that is down costs the short probe, not the weight update's timeout
+                self._call(server, "/get_server_info", timeout=READMIT_PROBE_S)
                 out = self._call(server, "/update_weights_from_disk", self._disk_update, timeout=self.timeout)
             except (Unreachable, ServerError):
                 continue  # still down: ask again before the next batch
