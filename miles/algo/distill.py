@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from miles.algo.logprobs import DEFAULT_CHUNK, chunked
+from miles.algo.logprobs import DEFAULT_CHUNK, chunked, tempered
 from miles.data.sample import Sample
 from miles.errors import ConfigError, MilesError
 
@@ -130,7 +130,7 @@ def attach_topk(sample: Sample, ids: torch.Tensor, logprobs: torch.Tensor) -> No
 
 def topk_of(logits: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The k likeliest tokens of each row of softmax(logits / temperature): (ids, log-probs)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(tempered(logits, temperature), dim=-1)
     values, ids = logp.topk(k, dim=-1)
     return ids, values
 
@@ -142,7 +142,7 @@ def _tail(logp: torch.Tensor) -> torch.Tensor:
 
 
 def _binned_kl_rows(logits: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor, temperature: float):
-    student = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids)
+    student = torch.log_softmax(tempered(logits, temperature), dim=-1).gather(-1, ids)
     s = torch.cat([student, _tail(student)[:, None]], dim=-1)
     t = torch.cat([teacher, _tail(teacher)[:, None]], dim=-1)
     return (s.exp() * (s - t)).sum(-1)

@@ -17,8 +17,18 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_CHUNK = 1024
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / temperature, divided as the engine's sampler divides: by a tensor on the
+    logits' device. CUDA divides by a Python number as a multiply by its reciprocal, up to one
+    ulp off true division, and true on-policy training needs the engine's bits."""
+    logits = logits.float()
+    if temperature == 1.0:
+        return logits
+    return logits / torch.tensor(temperature, dtype=torch.float32, device=logits.device)
+
+
 def _logprob_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(tempered(logits, temperature), dim=-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1)
 
 

@@ -33,7 +33,7 @@ class ModelSection:
     device: str = option(
         "cpu",
         "where models compute: cpu, cuda (each Ray actor its own GPU; NCCL between training ranks) or auto "
-        "(cuda when visible). The cuda path is written but has not been run on a GPU yet",
+        "(cuda when visible)",
         choices=("cpu", "cuda", "auto"),
     )
 

@@ -214,15 +214,16 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)
-        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)
+        slot = torch.arange(x.shape[0] * self.top_k, device=x.device)  # token * top_k + k
+        token = slot // self.top_k
         expert, slot_weight = ids.reshape(-1), weights.reshape(-1)
         if keep is not None:
             kept = keep.reshape(-1)
-            token, expert, slot_weight = token[kept], expert[kept], slot_weight[kept]
+            slot, token, expert, slot_weight = slot[kept], token[kept], expert[kept], slot_weight[kept]
         if self.expert_parallel is not None:
             out = self.expert_parallel.dispatch(self, x, token, expert, slot_weight)
         else:
-            out = self._dispatch(x, token, expert, slot_weight)
+            out = self._dispatch(x, token, expert, slot_weight, slot if opts.deterministic else None)
         if self.shared_expert is not None:
             out = out + (tiled_apply(self._shared, x) if opts.deterministic else self._shared(x))
         record = ids if keep is None else torch.where(keep, ids, encode_dropped(ids))
@@ -250,14 +251,21 @@ class MoE(nn.Module):
         return torch.cat(outputs)
 
     def _dispatch(
-        self, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor
+        self,
+        x: torch.Tensor,
+        token: torch.Tensor,
+        expert: torch.Tensor,
+        weight: torch.Tensor,
+        slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run each expert once on its slots (token ids `token`, experts `expert`) and sum the
         weighted outputs, shape (N, hidden).
 
         Slots are sorted by expert so each expert takes one contiguous slice, and a single
         index_add scatters everything back. (Padding every expert to the busiest one for a batched
-        matmul was measured slower on CPU: compute-bound, ~2x padded rows.)
+        matmul was measured slower on CPU: compute-bound, ~2x padded rows.) With `slot` (each
+        slot's token * top_k + k; batch-invariant routing) each token's outputs are summed in k
+        order instead: CUDA's index_add adds with atomics, in no fixed order.
         """
         order = expert.argsort(stable=True)
         token = token[order]
@@ -266,7 +274,14 @@ class MoE(nn.Module):
         # full-size zero tensor per expert as with x[token[slice]]
         y = self.run_experts(x.index_select(0, token), counts, list(range(self.num_experts)))
         y = y * weight[order, None]
-        return torch.zeros_like(x).index_add_(0, token, y)
+        if slot is None:
+            return torch.zeros_like(x).index_add_(0, token, y)
+        per_slot = x.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, slot[order], y)
+        per_slot = per_slot.view(x.shape[0], self.top_k, x.shape[1])
+        out = per_slot[:, 0]
+        for k in range(1, self.top_k):
+            out = out + per_slot[:, k]
+        return out
 
 
 class DecoderLayer(nn.Module):

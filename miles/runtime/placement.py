@@ -121,7 +121,7 @@ def create_placement(layout: Layout, device: str = "cpu", timeout_s: float = 60.
     if has_gpu and not use_gpu:
         logging.getLogger("miles").warning(
             "the Ray cluster has GPUs but --device is cpu: models compute on CPU; pass --device cuda (or auto) "
-            "to use them (the GPU path has not been run on a GPU yet)"
+            "to use them"
         )
     bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
     group = placement_group([dict(bundle) for _ in range(layout.num_bundles)], strategy="PACK")
