@@ -468,12 +468,11 @@ def validate_co_evolution(cfg: RunConfig) -> None:
 
 
 def resolve_magnet(cfg: RunConfig) -> None:
-    """--magnet-kl-coef's default: on (0.5) for the guide's remedies (alternating updates, a
-    population), off for simultaneous updates and where --use-kl-loss asks for a fixed pull."""
+    """--magnet-kl-coef's default: on (0.5), except where --use-kl-loss asks for a fixed pull and
+    under LoRA (whose KL reference is its base)."""
     co, algo = cfg.co_evolution, cfg.algo
     if co.magnet_kl_coef is None:
-        remedy = co.strategy == "alternating" or co.population_size is not None
-        co.magnet_kl_coef = 0.5 if remedy and not algo.use_kl_loss and not cfg.lora.enabled else 0.0
+        co.magnet_kl_coef = 0.0 if algo.use_kl_loss or cfg.lora.enabled else 0.5
     elif co.magnet_kl_coef > 0 and cfg.lora.enabled:
         raise ConfigError(
             "--magnet-kl-coef with --lora-rank: LoRA's KL reference is its base and cannot move"

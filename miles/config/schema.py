@@ -910,7 +910,7 @@ class CoEvolutionSection:
         None,
         "KL pull of each agent towards its own policy at the last --co-evolution-interval boundary, a reference "
         "that moves with it: no collapse to a pure strategy within a phase, no anchor at the start (an agent with "
-        "--use-kl-loss keeps that fixed pull). Default 0.5 with alternating updates or a population, else 0",
+        "--use-kl-loss keeps that fixed pull). Default 0.5; 0 turns it off",
         bounds="[0, inf)",
     )
     action_warmup_steps: int = option(

@@ -14,10 +14,10 @@ actors on Ray when --actor-num-gpus-per-node / --rollout-num-gpus ask for more t
    `play`): each agent's tokens are loss-masked into its own samples;
 4. advantage = reward - that agent's own baseline (`role_advantages`); train; push the new
    weights to its engine. Frozen agents' weights do not change (bitwise).
-5. every --co-evolution-interval steps (with --magnet-kl-coef, the default of the alternating and
-   population remedies), each agent's KL reference moves to its policy now: the pull keeps a
-   learner from turning deterministic against fixed opponents within a phase (a policy at
-   P = 1 gets no gradient back), and, unlike a pull to the start, does not hold it there.
+5. every --co-evolution-interval steps (with --magnet-kl-coef, on by default), each agent's KL
+   reference moves to its policy now: the pull keeps a learner from turning deterministic (a
+   policy at P = 1 gets no gradient back) and damps the chase of simultaneous updates, and,
+   unlike a pull to the start, does not hold it there (magnetic mirror descent).
 
 Metrics per step: each agent's reward, win rate (against each population member by age) and
 whether it trained, and what the environment reports (Kuhn Poker: exact exploitability of the
