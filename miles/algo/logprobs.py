@@ -17,14 +17,17 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_CHUNK = 1024
 
 
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / temperature, divided as the engine's sampler divides: by a tensor on the
-    logits' device. CUDA divides by a Python number as a multiply by its reciprocal, up to one
-    ulp off true division, and true on-policy training needs the engine's bits."""
+def tempered(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """fp32 logits / temperature (a number, or a tensor that broadcasts: the sampler's per row),
+    always divided by a tensor on the logits' device: CUDA divides by a Python number as a
+    multiply by its reciprocal, up to one ulp off true division, and the trainer's log-probs
+    must have the sampler's bits (true on-policy)."""
     logits = logits.float()
-    if temperature == 1.0:
-        return logits
-    return logits / torch.tensor(temperature, dtype=torch.float32, device=logits.device)
+    if not isinstance(temperature, torch.Tensor):
+        if temperature == 1.0:
+            return logits
+        temperature = torch.tensor(temperature, dtype=torch.float32, device=logits.device)
+    return logits / temperature
 
 
 def _logprob_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

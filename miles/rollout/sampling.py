@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.algo.logprobs import tempered
 from miles.errors import MilesError
 from miles.rollout.noise import NoiseBank, gumbel_, rows_ahead
 
@@ -69,7 +70,7 @@ def scale_by_temperature(
     if bool((temperature == 1).all()):  # dividing by 1 changes no bit: skip a pass over (B, V)
         return logits.float(), greedy
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    return logits.float() / t.reshape(-1, *([1] * (logits.dim() - 1))), greedy
+    return tempered(logits, t.reshape(-1, *([1] * (logits.dim() - 1)))), greedy
 
 
 def gumbel_noise(generators: list[torch.Generator], vocab: int) -> torch.Tensor:
