@@ -298,12 +298,11 @@ def train_agents(cfg: RunConfig) -> Path:
                 record[f"agent_response_len_{n}"] = _mean([s.response_length for s in batch])
                 record[f"agent_train_ranks_{n}"] = world
                 agent.push(step + 1)
-            if co.population_size is not None and (step + 1) % co.co_evolution_interval == 0:
+            if (step + 1) % co.co_evolution_interval == 0:  # an interval boundary
                 for n in names:
-                    agents[n].snapshot(step + 1)
-            if (step + 1) % co.co_evolution_interval == 0:
-                for n in names:  # each moving KL reference moves to where its agent now is
-                    if agents[n].reference_moves:
+                    if co.population_size is not None:
+                        agents[n].snapshot(step + 1)
+                    if agents[n].reference_moves:  # the moving KL reference moves to where the agent is
                         agents[n].hold_reference()
             if tracker is not None:
                 policies = Policies(agents)  # fetched only if the tracker reads them (Ray: from rank 0)
