@@ -4,11 +4,14 @@
     .venv/bin/python benchmarks/speculative.py --only tiny --sweep
 
 The workload is the tail of an RL rollout: batches of 1, 4 and 8 requests decoding 128 tokens
-each at temperature 0.7 (4 samples per prompt, so a prompt's samples resemble each other). For
-each model, batch and draft (auto: the policy's first layers; ngram: continuations of recent
-matches), tokens/s with speculation against without, the acceptance at each draft position and
-tokens per policy pass. `--sweep`: the lookahead k = 1..8 at batch 1. Speculation is forced at
-every batch here (no adaptive choice) to show where it pays.
+each at temperature 0.7 (4 samples per prompt, so a prompt's samples resemble each other; at
+batch 1, four requests one after another). For each model, batch and draft, tokens/s with
+speculation against without, the acceptance at each draft position and tokens per policy pass.
+Drafts: eagle (an EAGLE head trained first, as online training would, on the policy's own
+samples of other prompts of the same kind: `--eagle-prompts` prompts x 4, `--eagle-epochs`
+passes), auto (the policy's first layers) and ngram (continuations of recent matches).
+`--sweep`: the lookahead k = 1..8 at batch 1. Speculation is forced at every batch here (no
+adaptive choice) to show where it pays.
 """
 
 from __future__ import annotations
@@ -20,27 +23,47 @@ import time
 import torch
 
 from miles.models import registry
+from miles.models.eagle import EagleHead
 from miles.rollout import Engine, Request, SamplingParams
-from miles.rollout.drafts import ModelDraft, NgramDraft, auto_draft, parameter_count
+from miles.rollout.drafts import EagleDraft, ModelDraft, NgramDraft, auto_draft, parameter_count
 from miles.rollout.speculative import Speculator
+from miles.train.draft_trainer import EagleTrainer
 
 
-def requests_for(tokenizer, batch: int, new_tokens: int) -> list[Request]:
+def requests_for(tokenizer, batch: int, new_tokens: int, first: int = 0) -> list[Request]:
     prompts = max(1, batch // 4)  # 4 samples per prompt, as GRPO draws them
     texts = [
         f"Question {i}: what is {i * 7 % 97} plus {i * 13 % 89}? Explain step by step."
-        for i in range(prompts)
+        for i in range(first, first + prompts)
     ]
     ids = [tokenizer.encode(t) for t in texts]
     params = SamplingParams(temperature=0.7, max_new_tokens=new_tokens, ignore_eos=True)
     return [Request(ids[i % prompts], params) for i in range(batch)]
 
 
-def run_once(policy, tokenizer, batch, new_tokens, draft=None, k=5):
+def trained_eagle(policy, tokenizer, prompts: int, epochs: int, new_tokens: int) -> EagleHead:
+    """An EAGLE head trained on the policy's samples of prompts the benchmark does not use."""
+    head = EagleHead.for_policy(policy, draft_vocab=8192)
+    collect = Speculator(EagleDraft(copy.deepcopy(head), record_features=True), 4, max_batch=0)  # plain steps
+    engine = Engine(policy, tokenizer, max_batch_size=16, max_seq_len=512, seed=1, speculator=collect)
+    t0 = time.perf_counter()
+    samples = engine.generate(requests_for(tokenizer, 4 * prompts, new_tokens, first=1000), progress=True)
+    trainer = EagleTrainer(head, lambda: policy)
+    for epoch in range(epochs):
+        loss = trainer.train(samples)["draft_sft_loss"]
+        print(f"  eagle epoch {epoch + 1}/{epochs}: loss {loss:.3f}", flush=True)
+    tokens = sum(s.response_length for s in samples)
+    print(f"  eagle head trained on {tokens} tokens in {time.perf_counter() - t0:.0f} s")
+    return trainer.served()
+
+
+def run_once(policy, tokenizer, batch, new_tokens, draft=None, k=4):
     slots = max(batch, 1)
     spec = None
     if draft == "ngram":
         spec = Speculator(NgramDraft(), k, max_batch=1024)
+    elif isinstance(draft, EagleHead):
+        spec = Speculator(EagleDraft(copy.deepcopy(draft)), k, max_batch=1024)
     elif draft is not None:
         spec = Speculator(ModelDraft(copy.deepcopy(draft), slots, 512), k, max_batch=1024)
     engine = Engine(policy, tokenizer, max_batch_size=slots, max_seq_len=512, seed=0, speculator=spec)
@@ -48,7 +71,7 @@ def run_once(policy, tokenizer, batch, new_tokens, draft=None, k=5):
     if spec is not None:
         spec.take_stats()
     t0 = time.perf_counter()
-    samples = engine.generate(requests_for(tokenizer, batch, new_tokens))
+    samples = engine.generate(requests_for(tokenizer, max(batch, 4), new_tokens))
     seconds = time.perf_counter() - t0
     tokens = sum(s.response_length for s in samples)
     stats = spec.take_stats() if spec is not None else None
@@ -62,12 +85,18 @@ def describe(stats) -> str:
     return f"{by_position} | {stats.emitted / stats.rows:.2f}"
 
 
-def run(name: str, batches: list[int], new_tokens: int, draft_layers: int, sweep: bool) -> None:
+def run(name: str, batches: list[int], new_tokens: int, draft_layers: int, sweep: bool, args) -> None:
     policy, tokenizer = registry.load(name)
     policy.eval()
-    drafts = {"auto": auto_draft(policy, draft_layers), "ngram": "ngram"}
+    print(f"\n{name}: training the EAGLE head")
+    eagle = trained_eagle(policy, tokenizer, args.eagle_prompts, args.eagle_epochs, new_tokens)
+    drafts = {"eagle": eagle, "auto": auto_draft(policy, draft_layers), "ngram": "ngram"}
     share = parameter_count(drafts["auto"]) / parameter_count(policy)
-    print(f"\n{name}: auto draft = first {draft_layers} layer(s), {share:.0%} of the policy's parameters\n")
+    eagle_share = parameter_count(eagle) / parameter_count(policy)
+    print(
+        f"\n{name}: auto draft = first {draft_layers} layer(s), {share:.0%} of the policy's parameters; "
+        f"eagle head {eagle_share:.1%}, {len(eagle.vocab)} draft tokens\n"
+    )
     print(
         "| batch | draft | plain tok/s | speculative tok/s | speedup | acceptance by position | tokens per pass |"
     )
@@ -82,8 +111,8 @@ def run(name: str, batches: list[int], new_tokens: int, draft_layers: int, sweep
     if not sweep:
         return
     print(f"\n{name}, batch 1: lookahead sweep\n")
-    print("| k | auto tok/s | auto tokens per pass | ngram tok/s | ngram tokens per pass |")
-    print("|---|---|---|---|---|")
+    print("| k | " + " | ".join(f"{d} tok/s | {d} tokens per pass" for d in drafts) + " |")
+    print("|---|" + "---|---|" * len(drafts))
     for k in range(1, 9):
         cells = []
         for draft in drafts.values():
@@ -98,12 +127,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens each request decodes")
     parser.add_argument("--batches", default="1,4,8", help="concurrent requests, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="also the lookahead sweep k = 1..8 at batch 1")
+    parser.add_argument(
+        "--eagle-prompts", type=int, default=32, help="prompts (x 4 samples) the EAGLE head trains on"
+    )
+    parser.add_argument("--eagle-epochs", type=int, default=5, help="passes of the EAGLE head over them")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     batches = [int(b) for b in args.batches.split(",")]
     layers = {"smollm2": 2, "tiny": 1}  # the auto draft's depth: about a quarter of the policy
     for name in [args.only] if args.only else list(layers):
-        run(name, batches, args.new_tokens, layers[name], args.sweep)
+        run(name, batches, args.new_tokens, layers[name], args.sweep, args)
 
 
 if __name__ == "__main__":

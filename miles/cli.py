@@ -93,6 +93,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise MilesError(f"--port {args.port}: a TCP port is 0-65535 (0: any free port)")
     cfg = engine_config(args, spec_max_batch_size="rollout_max_batch_size")
+    if cfg.speculative.draft_model == "eagle":
+        raise MilesError(
+            "miles serve --draft-model eagle: an EAGLE head starts untrained and learns during miles train "
+            "(--online-sft-interval); serve with --draft-model ngram, auto or a draft checkpoint path"
+        )
     model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings
     if args.max_seq_len is not None and args.max_seq_len > context:

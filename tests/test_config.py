@@ -112,6 +112,10 @@ def test_help_explains_without_figures():
         (["--draft-model", "auto", "--draft-ema-decay", "0.99"], "act on a draft trained online"),
         (["--draft-model", "ngram", "--draft-layers", "2"], "--draft-layers sizes --draft-model auto"),
         (
+            ["--draft-model", "auto", "--draft-vocab-size", "4096"],
+            "--draft-vocab-size sizes --draft-model eagle",
+        ),
+        (
             ["--int4-group-size", "64"],
             "--int4-group-size (or OPEN_TRAINING_INT4_GROUP_SIZE) has no effect without INT4",
         ),

@@ -103,6 +103,8 @@ def test_one_step_equals_the_general_forward(arch, split):
     )
     assert got.logits.shape == want.logits.shape
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    assert got.hidden.shape == want.hidden.shape  # the final-normed state an EAGLE draft reads
+    assert torch.allclose(got.hidden, want.hidden, atol=2e-5, rtol=1e-5)
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
         assert torch.allclose(a, b, atol=1e-5)
     if model.config.is_moe:
@@ -129,6 +131,7 @@ def test_a_verification_of_several_tokens_a_row_equals_the_general_forward(arch,
     got = FusedStep(model, threads=2, wide_below=SPLITS[split]).decode(ids, positions, got_cache)
     assert got.logits.shape == want.logits.shape == (slots, width, model.config.vocab_size)
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    assert torch.allclose(got.hidden, want.hidden, atol=2e-5, rtol=1e-5)  # every token's
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
         assert torch.allclose(a, b, atol=1e-5)
     if model.config.is_moe:
@@ -156,6 +159,8 @@ def test_a_prefill_equals_the_general_forwards(arch, split):
         )  # fmt: skip
     got = FusedStep(model, threads=2, wide_below=SPLITS[split]).prefill(ids, lengths, rows, got_cache)
     assert torch.allclose(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+    assert got.hidden.shape == want.hidden.shape == (4, 1, model.config.hidden_size)  # the last token's
+    assert torch.allclose(got.hidden, want.hidden, atol=2e-5, rtol=1e-5)
     for a, b in zip(got_cache.keys + got_cache.values, want_cache.keys + want_cache.values):
         for slot, n in zip(rows, lengths):
             assert torch.allclose(a[slot, :, :n], b[slot, :, :n], atol=1e-5)

@@ -9,9 +9,11 @@ import copy
 import pytest
 import torch
 
+from miles.models.eagle import EagleHead, draft_logits
 from miles.rollout import Engine, Request, SamplingParams
-from miles.rollout.drafts import ModelDraft, NgramDraft, auto_draft
-from miles.rollout.speculative import Speculator, accept, best_lookahead, expected_tokens_per_pass
+from miles.rollout.drafts import EagleDraft, ModelDraft, NgramDraft, auto_draft
+from miles.rollout.speculative import Speculator, accept, best_lookahead, draw, expected_tokens_per_pass
+from miles.train.draft_trainer import EagleTrainer
 from tests.conftest import response_logprobs
 
 
@@ -37,6 +39,24 @@ def test_acceptance_rule_samples_exactly_from_p(draft):
     assert _tv(first / n, p[0]) <= 0.01
 
 
+def test_draw_samples_each_row_from_its_own_distribution():
+    """Inverse-CDF draws: 40k per row within total variation 0.01 of the row's distribution, and
+    never a token of probability 0 (the zeros at both ends and inside included)."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(3, 50, generator=gen)
+    probs[:, :3] = probs[:, -4:] = probs[:, 20:30] = 0
+    probs[2] = 0
+    probs[2, 7] = 1.0  # a one-hot row
+    probs = probs / probs.sum(-1, keepdim=True)
+    generators = [torch.Generator().manual_seed(s) for s in range(3)]
+    n = 40_000
+    drawn = torch.stack([draw(probs, generators) for _ in range(n)])  # (n, 3)
+    for b in range(3):
+        counts = torch.bincount(drawn[:, b], minlength=50) / n
+        assert _tv(counts, probs[b]) <= 0.02  # about 0.012 expected at this n; a shifted index: far more
+        assert counts[probs[b] == 0].sum() == 0
+
+
 def test_expected_tokens_and_best_lookahead():
     assert expected_tokens_per_pass(0.0, 5) == 1.0 and expected_tokens_per_pass(1.0, 5) == 6.0
     assert abs(expected_tokens_per_pass(0.8, 4) - (1 - 0.8**5) / 0.2) < 1e-12
@@ -58,7 +78,9 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
 
 def _engine(policy, tokenizer, draft=None, k=4, slots=16):
     spec = None
-    if draft == "auto":
+    if isinstance(draft, EagleHead):
+        spec = Speculator(EagleDraft(copy.deepcopy(draft), record_features=True), k, max_batch=slots)
+    elif draft == "auto":
         spec = Speculator(ModelDraft(auto_draft(policy, 1), slots, 64), k, max_batch=slots)
     elif draft == "ngram":
         spec = Speculator(NgramDraft(), k, max_batch=slots)
@@ -69,9 +91,26 @@ def _engine(policy, tokenizer, draft=None, k=4, slots=16):
     )
 
 
-@pytest.mark.parametrize("draft", ["auto", "ngram"])
-def test_greedy_tokens_logprobs_and_routing_equal_plain_decoding(tiny, draft):
+@pytest.fixture(scope="module")
+def eagle(tiny):
+    """An EAGLE head for the tiny policy before and after online training on 48 of its samples
+    (temperature 1), with those samples."""
     policy, tokenizer = tiny
+    head = EagleHead.for_policy(policy, draft_vocab=0)
+    samples = _engine(policy, tokenizer, head, slots=48).generate(
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True))
+        for p in _prompts(tokenizer, 12) * 4
+    )
+    trainer = EagleTrainer(head, lambda: policy, lr=3e-3, micro_batch=4)
+    for _ in range(4):
+        trainer.train(samples)
+    return head, trainer.served(), samples
+
+
+@pytest.mark.parametrize("draft", ["auto", "ngram", "eagle"])
+def test_greedy_tokens_logprobs_and_routing_equal_plain_decoding(tiny, eagle, draft):
+    policy, tokenizer = tiny
+    draft = eagle[1] if draft == "eagle" else draft
     requests = lambda: [  # noqa: E731
         Request(p, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
         for p in _prompts(tokenizer, 12)
@@ -92,17 +131,19 @@ def test_greedy_tokens_logprobs_and_routing_equal_plain_decoding(tiny, draft):
     assert stats.passes > 0 and stats.accepted > 0 and stats.emitted > stats.rows  # proposals were accepted
 
 
-def test_temperature_one_follows_the_policy_even_with_a_bad_draft(tiny):
-    """50k sampled tokens (25k requests x 2) through a random-weight draft: per-position
-    distributions within total variation 0.01 of the policy's exact ones."""
+@pytest.mark.parametrize("kind, k", [("auto", 1), ("eagle", 2)])
+def test_temperature_one_follows_the_policy_even_with_a_bad_draft(tiny, kind, k):
+    """50k sampled tokens (25k requests x 2) through a random-weight draft (eagle: two chained
+    proposals a pass): per-position distributions within total variation 0.01 of the policy's
+    exact ones."""
     policy, tokenizer = tiny
-    bad = auto_draft(policy, 1)
+    bad = auto_draft(policy, 1) if kind == "auto" else EagleHead.for_policy(policy, draft_vocab=40, seed=1)
     with torch.no_grad():
         for p in bad.parameters():
             p.normal_(0, 0.5)
     prompt = _prompts(tokenizer, 1)[0]
     n, slots = 25_000, 256
-    engine = _engine(policy, tokenizer, bad, k=1, slots=slots)
+    engine = _engine(policy, tokenizer, bad, k=k, slots=slots)
     samples = engine.generate(
         Request(prompt, SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)) for _ in range(n)
     )
@@ -119,10 +160,49 @@ def test_temperature_one_follows_the_policy_even_with_a_bad_draft(tiny):
     )  # the bad draft was rejected often
 
 
+def test_eagle_features_are_the_states_each_token_was_sampled_from(tiny, eagle):
+    """Every response token's recorded feature gives, through lm_head, the log-prob the engine
+    recorded for that token (fp16 storage: 1e-2); a sample of n tokens has n features."""
+    policy, _ = tiny
+    samples = eagle[2]
+    assert all(s.draft_features.shape == (s.response_length, policy.config.hidden_size) for s in samples)
+    with torch.no_grad():
+        for s in samples[:8]:
+            logp = policy.lm_head(torch.from_numpy(s.draft_features).float()).log_softmax(-1)
+            got = logp[torch.arange(s.response_length), torch.tensor(s.response_tokens)]
+            assert torch.allclose(got, torch.tensor(s.rollout_log_probs), atol=1e-2)
+
+
+def test_online_training_raises_the_eagle_drafts_acceptance(tiny, eagle):
+    """Expected first-proposal acceptance, sum_x min(p, q) at temperature 1 against the policy's
+    exact next distribution, on the engine's own samples: the trained head well above the
+    untrained one; the head reads the policy's lm_head, not a copy (its state is its own block)."""
+    policy, _ = tiny
+    untrained, trained, samples = eagle
+
+    @torch.no_grad()
+    def acceptance(head) -> float:
+        embed, total, count = policy.model.embed_tokens.weight, 0.0, 0
+        for s in samples:
+            f, x = torch.from_numpy(s.draft_features).float(), torch.tensor(s.response_tokens)
+            p = policy.lm_head(f[1:]).softmax(-1)
+            q = torch.zeros_like(p)
+            q[:, head.vocab] = draft_logits(
+                head(embed[x[:-1]], f[:-1]), policy.lm_head.weight[head.vocab]
+            ).softmax(-1)
+            total, count = total + float(torch.minimum(p, q).sum()), count + len(p)
+        return total / count
+
+    before, after = acceptance(untrained), acceptance(trained)
+    assert after > before + 0.15, (before, after)
+    assert not any("embed" in k or "lm_head" in k for k in trained.state_dict())
+
+
 def test_a_run_with_an_online_draft_logs_acceptance_and_the_doctor_reads_it(tmp_path):
-    """`miles train --draft-model auto --online-sft-interval 1`: every step logs the spec_* metrics
-    (tokens per pass = 1 + accepted length), the draft's loss falls as it trains on the rollouts,
-    and `miles doctor` names the 1-layer draft's low acceptance with remedies that load."""
+    """`miles train --draft-model eagle --online-sft-interval 1`: every step logs the spec_* metrics
+    (tokens per pass = 1 + accepted length), the head's loss falls as it trains on the features
+    the engine recorded, and `miles doctor` names the young head's low acceptance with remedies
+    that load."""
     from miles.config import load_config
     from miles.doctor.checks import diagnose
     from miles.doctor.run import load_run
@@ -133,7 +213,7 @@ def test_a_run_with_an_online_draft_logs_acceptance_and_the_doctor_reads_it(tmp_
     out = tmp_path / "spec"
     flags = [
         "--draft-model",
-        "auto",
+        "eagle",
         "--online-sft-interval",
         "1",
         "--spec-max-batch-size",
@@ -162,6 +242,7 @@ def test_doctor_names_drift_and_a_draft_too_slow_for_its_acceptance(tmp_path):
 
     import yaml
 
+    from miles.config import load_config
     from miles.doctor.checks import diagnose
     from miles.doctor.run import load_run
 
@@ -184,7 +265,15 @@ def test_doctor_names_drift_and_a_draft_too_slow_for_its_acceptance(tmp_path):
     findings = {f.check: f for f in diagnose(load_run(tmp_path))}
     assert {"spec_drift", "spec_slow", "spec_low_acceptance"} <= set(findings)
     assert ["--online-sft-interval", "5"] in [r.flags for r in findings["spec_drift"].remedies]
-    assert ["--draft-model", "ngram"] in [r.flags for r in findings["spec_slow"].remedies]
+    slow = [r.flags for r in findings["spec_slow"].remedies]
+    assert ["--draft-model", "ngram"] in slow and [
+        "--draft-model",
+        "eagle",
+        "--online-sft-interval",
+        "5",
+    ] in slow
+    for flags in slow:  # each remedy loads on top of the run's own config
+        load_config(["--config", str(tmp_path / "config.yaml"), *flags])
     rows = [dict(r, spec_accept_rate=0.46, spec_draft_seconds=0.01) for r in rows]  # steady, cheap draft
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert not {"spec_drift", "spec_slow"} & {f.check for f in diagnose(load_run(tmp_path))}

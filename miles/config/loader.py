@@ -417,6 +417,7 @@ def validate_speculative(cfg: RunConfig) -> None:
             ("--draft-layers", spec.draft_layers != 1),
             ("--spec-lookahead", spec.spec_lookahead != 5),
             ("--draft-lr", spec.draft_lr != 1e-3),
+            ("--draft-vocab-size", spec.draft_vocab_size != 8192),
         )
         if value
     ]
@@ -440,6 +441,10 @@ def validate_speculative(cfg: RunConfig) -> None:
         )
     if spec.draft_layers != 1 and spec.draft_model != "auto":
         raise ConfigError("--draft-layers sizes --draft-model auto; remove it or use --draft-model auto")
+    if spec.draft_vocab_size != 8192 and spec.draft_model != "eagle":
+        raise ConfigError(
+            "--draft-vocab-size sizes --draft-model eagle; remove it or use --draft-model eagle"
+        )
     if (spec.draft_ema_decay is not None or spec.reinit_draft_interval) and not spec.online_sft_interval:
         raise ConfigError(
             "--draft-ema-decay and --reinit-draft-interval act on a draft trained online; add --online-sft-interval N"

@@ -731,12 +731,18 @@ class SpeculativeSection:
 
     draft_model: str | None = option(
         None,
-        "speculative decoding in the rollout engine: auto (the policy's first --draft-layers blocks) | ngram "
-        "(continues the longest recent match of the context; no model) | a checkpoint path (same tokenizer). "
-        "Tokens follow the policy's distribution exactly; log-probs are the policy's",
+        "speculative decoding in the rollout engine: eagle (a small block over the policy's hidden state; "
+        "train it with --online-sft-interval) | auto (the policy's first --draft-layers blocks) | ngram "
+        "(continues recent matches; no model) | a checkpoint path. Tokens still follow the policy exactly",
     )
     draft_layers: int = option(
         1, "with --draft-model auto: how many of the policy's blocks the draft keeps", bounds="[1, inf)"
+    )
+    draft_vocab_size: int = option(
+        8192,
+        "with --draft-model eagle: the draft proposes only the policy's N most sampled tokens (reading all "
+        "of lm_head per draft token costs a large share of a policy pass); 0: the whole vocabulary",
+        bounds="[0, inf)",
     )
     spec_lookahead: int = option(5, "draft tokens proposed per policy pass (k)", bounds="[1, inf)")
     spec_max_batch_size: int = option(
@@ -753,7 +759,8 @@ class SpeculativeSection:
     online_sft_interval: int = option(
         0,
         "every N RL steps, train the draft on the latest rollouts (next-token cross-entropy on the policy's "
-        "samples; the policy is untouched) and send it to the engines; 0: a frozen draft",
+        "samples; eagle: the policy's distribution and hidden state at each next position; the policy is "
+        "untouched) and send it to the engines; 0: a frozen draft",
         bounds="[0, inf)",
     )
     draft_lr: float = option(1e-3, "learning rate of the draft's online training (AdamW)", bounds="(0, inf)")

@@ -27,6 +27,8 @@ class Sample:
     (len(tokens) - 1, MoE layers, top_k): the experts used for every token the engine fed
     through the model. `weight_versions` lists, in order, every weight version that produced
     part of this response: more than one means the response spans a weight update.
+    `draft_features[i]` (with `--draft-model eagle` trained online) is the policy's final hidden
+    state that response token i was sampled from, as the engine computed it.
     """
 
     prompt: str | list[dict[str, str]] = ""
@@ -43,6 +45,9 @@ class Sample:
     teacher_topk_log_probs: np.ndarray | None = None
     weight_versions: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)  # the weight version of each response token
+    draft_features: np.ndarray | None = (
+        None  # EAGLE draft training: (response length, hidden) fp16, see below
+    )
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

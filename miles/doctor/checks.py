@@ -812,7 +812,10 @@ def memory_growth(run: RunRecord, compare: RunRecord | None):
 def _draft_training_remedies(run: RunRecord) -> list[Remedy]:
     if run.setting("speculative.draft_model") == "ngram":
         return [
-            Remedy(["--draft-model", "auto"], "a model draft, which can be trained on the policy's rollouts")
+            Remedy(
+                ["--draft-model", "eagle", "--online-sft-interval", "5"],
+                "a head over the policy's own hidden states, trained on its rollouts",
+            )
         ]
     if not run.setting("speculative.online_sft_interval"):
         return [
@@ -901,7 +904,15 @@ def spec_slow(run: RunRecord, compare: RunRecord | None):
         remedies.append(
             Remedy(["--spec-lookahead", "5"], "the usual balance of draft cost and accepted length")
         )
-    if run.setting("speculative.draft_model") != "ngram":
+    draft = run.setting("speculative.draft_model")
+    if draft not in ("ngram", "eagle"):
+        remedies.append(
+            Remedy(
+                ["--draft-model", "eagle", "--online-sft-interval", "5"],
+                "one small block over the policy's hidden state, reading the policy's own lm_head",
+            )
+        )
+    if draft != "ngram":
         remedies.append(Remedy(["--draft-model", "ngram"], "a draft that costs almost nothing to run"))
     if not run.setting("speculative.profile_speculative"):
         remedies.append(

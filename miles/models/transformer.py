@@ -38,6 +38,7 @@ class ModelOutput:
     router_logits: list[torch.Tensor]  # per MoE layer, (B, T, E)
     routed_experts: torch.Tensor | None  # (B, T, MoE layers, K) int64, None for dense models
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, KV, T, D), if collected
+    hidden: torch.Tensor | None = None  # the final-normed hidden states the logits come from (B, T, H)
 
 
 @dataclass
@@ -431,6 +432,7 @@ class Transformer(nn.Module):
                 routed.append(ids)
         if logits_at is not None:  # generation needs the last position only: skip the big lm_head matmul
             h = h[torch.arange(B, device=device), logits_at][:, None]
-        logits = self.lm_head(self.model.norm(h)).float()
+        hidden = self.model.norm(h)
+        logits = self.lm_head(hidden).float()
         experts = torch.stack(routed, dim=2) if routed else None
-        return ModelOutput(logits=logits, router_logits=router_logits, routed_experts=experts, kv=kv)
+        return ModelOutput(logits, router_logits, experts, kv=kv, hidden=hidden)

@@ -67,6 +67,9 @@ class _Running:
     versions: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
+    features: list[torch.Tensor] = field(
+        default_factory=list
+    )  # EAGLE online training: one per response token
 
     @property
     def length(self) -> int:
@@ -130,6 +133,9 @@ class Engine:
         self.max_seq_len = min(max_seq_len or context, context)
         self.admit_batch = admit_batch if admit_batch is not None else max(1, max_batch_size // 8)
         self._build_step()
+        self.draft = speculator.draft if speculator is not None else None
+        if self.draft is not None:
+            self.draft.attach(self.model)
         self.cache = model.new_cache(self.slots, self.max_seq_len)
         vocab = model.lm_head.weight.shape[0]
         self.sampler = Sampler(self.slots, vocab, self.device, draw_ahead=speculator is None)
@@ -397,18 +403,19 @@ class Engine:
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
             self._running[state.slot] = state
             self.sampler.reset(state.slot)
-            if self.speculator is not None:
-                self.speculator.draft.reset(state.slot)
+            if self.draft is not None:
+                self.draft.reset(state.slot)
             new.append(state)
         if not new:
             return []
         timer = Timer()
-        logits = self._refill(new)
+        logits, hidden = self._refill(new)
         self.times.prefill_seconds += timer.lap()
-        return self._emit(new, logits)
+        return self._emit(new, logits, hidden)
 
-    def _refill(self, states: list[_Running]) -> torch.Tensor:
-        """Prefill each state's tokens except the newest into its slot; logits of its last fed token.
+    def _refill(self, states: list[_Running]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill each state's tokens except the newest into its slot; logits of its last fed token,
+        and the hidden state they come from (which the draft sees, for the newest token).
 
         Identical sequences (the n samples of one GRPO prompt) are computed once and their keys
         and values copied into the other slots.
@@ -441,7 +448,12 @@ class Engine:
             routed = out.routed_experts.to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed = [routed[index[b], : len(seqs[b])]]
-        return out.logits[torch.tensor(index, device=dev), 0]
+        rows = torch.tensor(index, device=dev)
+        hidden = None if out.hidden is None else out.hidden[rows, 0]
+        if self.draft is not None and hidden is not None:
+            for s, feature in zip(states, hidden):
+                self.draft.see(s.slot, feature)
+        return out.logits[rows, 0], hidden
 
     def _decode(self) -> list[Sample]:
         spec = self.speculator
@@ -472,7 +484,7 @@ class Engine:
         temperature, top_k, top_p = self.sampler.params([s.request for s in states])
         seqs = [list(s.request.prompt_ids) + s.response for s in states]
         generators = [s.generator for s in states]
-        proposed, q = spec.draft.propose(
+        proposed, q = self.draft.propose(
             [s.slot for s in states], seqs, k, temperature, top_k, top_p, generators
         )
         proposed = [list(map(int, row)) for row in proposed]
@@ -493,6 +505,7 @@ class Engine:
         routed = (
             out.routed_experts[busy.to(self.device)].to(torch.int32).cpu().numpy() if self.is_moe else None
         )
+        hidden = None if out.hidden is None else out.hidden[busy.to(self.device)]
         spec.stats.verify_seconds += timer.lap()
         spec.stats.passes += 1
         finished = []
@@ -500,11 +513,12 @@ class Engine:
             qb = None if q is None else q[b, : len(row)]  # None: certain proposals (n-gram)
             n, following = accept(row, qb, p[b, : len(row) + 1], s.generator)
             spec.stats.record(len(row), n)
-            spec.draft.keep(s.slot, s.length + min(n, len(row) - 1))
+            self.draft.keep(s.slot, s.length + min(n, len(row) - 1))
             if routed is not None:  # the policy's routing of every fed token that was kept
                 s.routed.append(routed[b, : n + 1])
             for i, token in enumerate(row[:n] + [following]):
-                sample = self._append(s, token, float(logp[b, i, token]))
+                feature = None if hidden is None else hidden[b, i]
+                sample = self._append(s, token, float(logp[b, i, token]), feature)
                 if sample is not None:
                     finished.append(sample)
                     break
@@ -538,14 +552,18 @@ class Engine:
             routed = out.routed_experts[busy, 0].to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed.append(routed[b : b + 1])
-        return self._emit(states, out.logits[busy, -1])
+        hidden = None if out.hidden is None else out.hidden[busy, -1]
+        return self._emit(states, out.logits[busy, -1], hidden)
 
     def _forward_slots(self, ids: torch.Tensor, positions: torch.Tensor):
         """The policy over cache slots [0, len(ids)): a view of the cache, which beats gathering rows."""
         return self.decode_step.decode(ids, positions, self.cache)
 
-    def _emit(self, states: list[_Running], logits: torch.Tensor) -> list[Sample]:
-        """Sample one token for each state from `logits`; finish the ones that stop."""
+    def _emit(
+        self, states: list[_Running], logits: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> list[Sample]:
+        """Sample one token for each state from `logits` (computed from `hidden`); finish the ones
+        that stop."""
         tokens, logprobs = self.sampler.sample(
             logits,
             [s.request for s in states],
@@ -554,14 +572,21 @@ class Engine:
             [s.request.params.max_new_tokens - len(s.response) for s in states],
         )
         finished = []
-        for s, tok, lp in zip(states, tokens.tolist(), logprobs.tolist()):
-            sample = self._append(s, tok, lp)
+        for b, (s, tok, lp) in enumerate(zip(states, tokens.tolist(), logprobs.tolist())):
+            sample = self._append(s, tok, lp, None if hidden is None else hidden[b])
             if sample is not None:
                 finished.append(sample)
         return finished
 
-    def _append(self, s: _Running, token: int, logprob: float) -> Sample | None:
-        """Add one generated token to a request; its sample when this token ends it."""
+    def _append(
+        self, s: _Running, token: int, logprob: float, feature: torch.Tensor | None = None
+    ) -> Sample | None:
+        """Add one generated token to a request (sampled from logits computed from `feature`, the
+        policy's final hidden state); its sample when this token ends it."""
+        if feature is not None and self.draft is not None:
+            self.draft.see(s.slot, feature)
+            if self.draft.records_features:
+                s.features.append(feature)
         s.response.append(token)
         s.logprobs.append(logprob)
         s.token_versions.append(self.weight_version)
@@ -599,8 +624,10 @@ class Engine:
         sample.metadata["finish_reason"] = reason or {"type": "abort"}
         if self.tokenizer is not None:
             sample.response = self.tokenizer.decode(s.response, skip_special_tokens=True)
-        if self.speculator is not None and hasattr(self.speculator.draft, "observe"):
-            self.speculator.draft.observe(sample.tokens)
+        if self.draft is not None:
+            self.draft.observe(sample.tokens)
+            if s.features and len(s.features) == len(s.response):
+                sample.draft_features = torch.stack(s.features).to(torch.float16).cpu().numpy()
         if self.is_moe:
             # every token fed through the model: all but the newest -> (tokens - 1, layers, k)
             routed = np.concatenate(s.routed) if s.routed else np.zeros((0,), np.int32)

@@ -164,7 +164,11 @@ def train(cfg: RunConfig) -> Path:
                 run.faults.bind(executor.trainer, executor.rollout, rewards)
             if cfg.speculative.draft_model:
                 run.speculation = OnlineDraft(
-                    cfg.speculative, executor.rollout, draft, lambda: rebuild_draft(run)
+                    cfg.speculative,
+                    executor.rollout,
+                    draft,
+                    lambda: rebuild_draft(run),
+                    lambda: trained_policy(run),
                 )
             return run_loop(run)
         finally:
@@ -326,6 +330,12 @@ def check_token_budget(cfg: RunConfig, longest_prompt: int) -> None:
             f"prompt ({longest_prompt} tokens) + --rollout-max-response-len {response} = {longest_prompt + response} "
             f"tokens, and a sample is never split; use at least {longest_prompt + response}"
         )
+
+
+def trained_policy(run: Run):
+    """The policy as trained so far (on Ray, the driver's copy brought up to rank 0's weights)."""
+    run.trainer.sync_policy()
+    return run.policy
 
 
 def rebuild_draft(run: Run):

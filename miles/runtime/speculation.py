@@ -11,19 +11,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from miles.models.eagle import EagleHead
 from miles.rollout.speculative import best_lookahead, expected_tokens_per_pass
-from miles.train.draft_trainer import DraftTrainer
+from miles.train.draft_trainer import DraftTrainer, EagleTrainer
 
 log = logging.getLogger("miles")
 
 
 class OnlineDraft:
-    def __init__(self, spec_cfg, rollout, draft=None, rebuild: Callable | None = None) -> None:
+    def __init__(
+        self, spec_cfg, rollout, draft=None, rebuild: Callable | None = None, policy: Callable | None = None
+    ) -> None:
+        """`rebuild`: a fresh draft (--reinit-draft-interval); `policy`: the policy as trained so
+        far, whose embedding, lm_head and hidden states an EAGLE head trains against."""
         self.cfg, self.rollout = spec_cfg, rollout
         self.trainer = None
         self.pending: list = []  # rollouts since the draft last trained
         if draft is not None and spec_cfg.online_sft_interval:
-            self.trainer = DraftTrainer(draft, spec_cfg.draft_lr, spec_cfg.draft_ema_decay, rebuild)
+            if isinstance(draft, EagleHead):
+                self.trainer = EagleTrainer(
+                    draft, policy, spec_cfg.draft_lr, ema_decay=spec_cfg.draft_ema_decay, reinit=rebuild
+                )
+            else:
+                self.trainer = DraftTrainer(draft, spec_cfg.draft_lr, spec_cfg.draft_ema_decay, rebuild)
 
     def step(self, rollout_id: int, samples: list) -> dict[str, float]:
         stats = self.rollout.take_spec_stats()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.data.sample import Sample
+from miles.models.eagle import draft_logits
 from miles.models.transformer import Transformer
 
 
@@ -80,3 +81,86 @@ class DraftTrainer:
                 for e, p in zip(self.ema.parameters(), self.model.parameters()):
                     e.lerp_(p.detach(), 1 - self.ema_decay)
         return {"draft_sft_loss": total / max(count, 1)}
+
+
+class EagleTrainer(DraftTrainer):
+    """Online training of an EAGLE head (`miles.models.eagle`) on the policy's own rollouts.
+
+    For response token i sampled from the policy's feature F[i], the head takes (F[i], token i)
+    and predicts F[i + 1]: the loss is the cross-entropy of the head's distribution against the
+    policy's own one at F[i + 1] (both over the head's vocabulary: acceptance is their overlap).
+    A second, chained step feeds the prediction back, as decoding does for the draft's later
+    tokens. Small micro-batches (2 sequences): the head learns from the number of steps. The features are those the engine computed while sampling
+    (`Sample.draft_features`); a sample without them (an agent's, a partial one) gets them from a
+    forward pass of `policy()`. The policy's embedding and lm_head are read, never trained.
+    """
+
+    def __init__(
+        self, draft, policy: Callable[[], Transformer], lr: float = 1e-3, micro_batch: int = 2, **kw
+    ) -> None:
+        super().__init__(draft, lr, micro_batch=micro_batch, **kw)
+        self.policy = policy
+
+    @torch.no_grad()
+    def features(self, policy: Transformer, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Each sample's (response length, hidden) features, from the sample or from `policy`."""
+        device = policy.lm_head.weight.device
+        out = []
+        for s in samples:
+            if s.draft_features is not None and len(s.draft_features) == s.response_length:
+                out.append(torch.from_numpy(s.draft_features).to(device, torch.float32))
+                continue
+            ids = torch.tensor([s.tokens], device=device)
+            hidden = policy(ids).hidden[0].float()
+            out.append(hidden[s.prompt_length - 1 : len(s.tokens) - 1])
+        return out
+
+    def train(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One pass over `samples`; returns draft_sft_loss (the cross-entropy part, per prediction)."""
+        head, policy = self.model, self.policy()
+        embed, lm_head = policy.model.embed_tokens.weight.detach(), policy.lm_head.weight.detach()
+        samples = [s for s in samples if s.response_length >= 2]
+        for s in samples:
+            head.count(torch.tensor(s.response_tokens))
+        head.choose_vocab()
+        rows = lm_head[head.vocab.to(lm_head.device)]
+        total, count = 0.0, 0
+        for start in range(0, len(samples), self.micro_batch):
+            chunk = samples[start : start + self.micro_batch]
+            loss, ce_sum, ce_count = self._chunk_loss(head, policy, chunk, embed, rows)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            total, count = total + ce_sum, count + ce_count
+        if self.ema is not None:
+            with torch.no_grad():
+                for e, p in zip(self.ema.parameters(), self.model.parameters()):
+                    e.lerp_(p.detach(), 1 - self.ema_decay)
+                self.ema.vocab.copy_(head.vocab)
+                self.ema.counts.copy_(head.counts)
+        return {"draft_sft_loss": total / max(count, 1)}
+
+    def _chunk_loss(self, head, policy, chunk, embed, rows, chained: int = 2):
+        """The loss of `chained` linked predictions from every response position of `chunk`."""
+        feats = self.features(policy, chunk)
+        lengths = torch.tensor([s.response_length for s in chunk], device=embed.device)
+        R, H = int(lengths.max()), embed.shape[1]
+        F_all = embed.new_zeros(len(chunk), R + chained, H)  # F[b, i]: what token i was sampled from
+        tokens = torch.zeros(len(chunk), R + chained, dtype=torch.long, device=embed.device)
+        for b, (s, f) in enumerate(zip(chunk, feats)):
+            F_all[b, : len(f)] = f
+            tokens[b, : len(f)] = torch.tensor(s.response_tokens)
+        at = torch.arange(R - 1, device=embed.device)
+        feature, loss, ce_sum, ce_count = F_all[:, : R - 1], 0.0, 0.0, 0
+        for step in range(chained):  # step 0: (F[i], token i) -> F[i + 1]; step 1 feeds the prediction back
+            valid = at[None] + step + 1 < lengths[:, None]
+            if not bool(valid.any()):
+                break
+            predicted = head(embed[tokens[:, step : step + R - 1]], feature)
+            target = F_all[:, step + 1 : step + R][valid]
+            wanted = draft_logits(target, rows).softmax(-1)  # the policy's own distribution there
+            ce = -(wanted * draft_logits(predicted[valid], rows).log_softmax(-1)).sum(-1)
+            loss = loss + ce.mean()
+            ce_sum, ce_count = ce_sum + float(ce.detach().sum()), ce_count + len(ce)
+            feature = predicted
+        return loss, ce_sum, ce_count

@@ -542,7 +542,7 @@ struct Tokens {
 
   void run(const Team &team, Scratch &mine, const FusedLayer *layers, const int64_t *ids,
            const int64_t *positions, const float *inv_freq, const float *embed, const float *final_norm,
-           const float *lm_head, float *logits, int64_t *routed) {
+           const float *lm_head, float *logits, int64_t *routed, float *hidden) {
     const int64_t hid = c.hidden, n = (c.heads + 2 * c.kv_heads) * c.head_dim;
     rotary(team, positions, inv_freq);
     for (int64_t i = team.begin(R); i < team.end(R); i++)
@@ -572,15 +572,19 @@ struct Tokens {
       for (int64_t m = i * hid; m < (i + 1) * hid; m++) h[m] += pending[m];
     team.sync();
     if (c.every_token) {  // logits of every token: rows [r0, r0 + R) of the flattened batch
-      for (int64_t i = team.begin(R); i < team.end(R); i++)
+      for (int64_t i = team.begin(R); i < team.end(R); i++) {
         rms_norm(hid, h.data() + i * hid, final_norm, c.eps, x.data() + i * hid);
+        if (hidden) std::memcpy(hidden + (r0 + i) * hid, x.data() + i * hid, hid * sizeof(float));
+      }
       team.sync();
       team.gemm(R, hid, c.vocab, x.data(), lm_head, nullptr, logits + r0 * c.vocab);
       return;
     }
     const int64_t S = s1 - s0;
-    for (int64_t s = s0 + team.begin(S); s < s0 + team.end(S); s++)  // logits of each sequence's last token
+    for (int64_t s = s0 + team.begin(S); s < s0 + team.end(S); s++) {  // logits of each sequence's last token
       rms_norm(hid, h.data() + (starts[s + 1] - 1 - r0) * hid, final_norm, c.eps, x.data() + (s - s0) * hid);
+      if (hidden) std::memcpy(hidden + s * hid, x.data() + (s - s0) * hid, hid * sizeof(float));
+    }
     team.sync();
     team.gemm(S, hid, c.vocab, x.data(), lm_head, nullptr, logits + s0 * c.vocab);
   }
@@ -594,14 +598,15 @@ extern "C" {
 // cache slot slots[s]; per token: ids and positions; inv_freq: RoPE's D/2 frequencies. A decode step is S
 // sequences of one token; a prefill, each prompt's tokens. Out: logits (S, vocab) of each
 // sequence's last token (with cfg->every_token: (tokens, vocab), every token's), routed (tokens,
-// MoE layers, top_k) (unused for a dense model).
+// MoE layers, top_k) (unused for a dense model), and, unless null, hidden: the final-normed hidden
+// state those logits are computed from (rows as logits', hidden wide).
 // With at least cfg->wide_below tokens a thread (and a sequence each), each thread takes
 // consecutive sequences holding about equal numbers of tokens through the whole model alone;
 // with fewer, all threads work on every product together (Team).
 void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64_t S, const int64_t *starts,
                          const int64_t *slots, const int64_t *ids, const int64_t *positions, const float *inv_freq,
                          const float *embed, const float *final_norm, const float *lm_head,
-                         float *logits, int64_t *routed) {
+                         float *logits, int64_t *routed, float *hidden) {
   const int64_t threads = std::max<int64_t>(1, cfg->threads), total = starts[S];
   const bool wide = threads > 1 && (S < threads || total < cfg->wide_below * threads);
   // a team no larger than the narrowest products' panels (hidden wide) can keep busy
@@ -614,14 +619,14 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
     static thread_local Scratch scratch;
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     if (wide) {
-      all->run(Team{t, T}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed);
+      all->run(Team{t, T}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed, hidden);
     } else {
       // the first sequence starting at or past token total * t / T, for t and t + 1
       const int64_t first = t == 0 ? 0 : std::lower_bound(starts, starts + S, total * t / T) - starts;
       const int64_t last = t + 1 == T ? S : std::lower_bound(starts, starts + S, total * (t + 1) / T) - starts;
       if (last > first) {
         Tokens part(*cfg, starts, slots, first, last, scratch);
-        part.run(Team{0, 1}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed);
+        part.run(Team{0, 1}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed, hidden);
       }
     }
   }

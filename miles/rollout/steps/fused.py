@@ -120,7 +120,7 @@ def library() -> ctypes.CDLL:
     lib.miles_fused_forward.restype = None
     lib.miles_fused_forward.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(_Layer), ctypes.c_int64] + [
         ctypes.c_void_p
-    ] * 10
+    ] * 11
     lib.miles_fused_gemm.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
     lib.miles_fused_gemm_list.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
     lib.miles_fused_exp.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -187,6 +187,27 @@ def _t(weights: list[torch.Tensor]) -> torch.Tensor:
     """Projection weights (out, in), concatenated along out, as one (in, out) weight packed in
     panels (`pack_panels`)."""
     return pack_panels(torch.cat([w.detach() for w in weights]).t())
+
+
+class PackedLinear:
+    """x @ weight.T through the step's GEMM, the weight packed once (`pack_panels`), the threads
+    sharing its panels: for small products at a few rows (a draft's), where torch's own call
+    costs several times its arithmetic."""
+
+    def __init__(self, weight: torch.Tensor, threads: int | None = None) -> None:
+        self.lib, self.out_features = library(), weight.shape[0]
+        self.packed = _t([weight])
+        self.threads = threads or torch.get_num_threads()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        sizes = torch.tensor(
+            [x.shape[0], x.shape[1], self.out_features, x.data_ptr(), self.packed.data_ptr(), y.data_ptr()]
+        )
+        pointers = [sizes[i:].data_ptr() for i in range(6)]
+        self.lib.miles_fused_gemm_list(1, *pointers, self.threads, 1)
+        return y
 
 
 class FusedStep:
@@ -295,7 +316,7 @@ class FusedStep:
         verification): row b's T tokens are one sequence from positions[b, 0], causal within it."""
         if ids.shape[1] != 1:
             B, T = ids.shape
-            logits, routed = self.forward(
+            logits, routed, hidden = self.forward(
                 ids.reshape(-1),
                 positions.reshape(-1),
                 torch.arange(B + 1) * T,
@@ -307,16 +328,18 @@ class FusedStep:
                 logits=logits.view(B, T, -1),
                 router_logits=[],
                 routed_experts=None if routed is None else routed.view(B, T, *routed.shape[1:]),
+                hidden=hidden.view(B, T, -1),
             )
         ids, positions = ids[:, 0], positions[:, 0]
         B = ids.shape[0]
         if self._one_each is None or self._one_each[1].shape[0] != B:
             self._one_each = torch.arange(B + 1), torch.arange(B)  # starts and slots: row b, slot b
-        logits, routed = self.forward(ids, positions, *self._one_each, cache)
+        logits, routed, hidden = self.forward(ids, positions, *self._one_each, cache)
         return ModelOutput(
             logits=logits[:, None],
             router_logits=[],
             routed_experts=None if routed is None else routed[:, None],
+            hidden=hidden[:, None],
         )
 
     @torch.inference_mode()
@@ -337,12 +360,14 @@ class FusedStep:
         offsets = torch.arange(T).expand(U, T)
         positions = (offsets if starts is None else offsets + starts[:, None])[real]
         first = F.pad(lengths.cumsum(0), (1, 0))
-        logits, routed = self.forward(ids[real], positions, first, slots, cache)
+        logits, routed, hidden = self.forward(ids[real], positions, first, slots, cache)
         record = None
         if routed is not None:
             record = routed.new_zeros(U, T, *routed.shape[1:])
             record[real] = routed
-        return ModelOutput(logits=logits[:, None], router_logits=[], routed_experts=record)
+        return ModelOutput(
+            logits=logits[:, None], router_logits=[], routed_experts=record, hidden=hidden[:, None]
+        )
 
     def forward(
         self,
@@ -352,11 +377,11 @@ class FusedStep:
         slots: torch.Tensor,
         cache: KVCache,
         every_token: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Sequences [0, S), sequence s the tokens [starts[s], starts[s + 1]) of the flat ids and
         positions (N,), written into cache slot slots[s] -> the logits (S, V) of each one's last
-        token (`every_token`: (N, V), every token's) and the routing (N, MoE layers, K) (None for
-        a dense model)."""
+        token (`every_token`: (N, V), every token's), the routing (N, MoE layers, K) (None for
+        a dense model) and the final-normed hidden states the logits come from (S or N, hidden)."""
         if int(positions.max()) >= cache.max_len:
             raise ValueError(
                 f"KV cache holds {cache.max_len} positions; position {int(positions.max())} asked"
@@ -376,9 +401,11 @@ class FusedStep:
         self.config.every_token = int(every_token)
         logits = torch.empty(N if every_token else S, self.config.vocab)
         routed = torch.empty(N, max(self.moe_layers, 1), self.top_k, dtype=torch.long)
+        hidden = torch.empty(logits.shape[0], self.config.hidden)
         self.lib.miles_fused_forward(
             ctypes.byref(self.config), self.table, S, starts.data_ptr(), slots.data_ptr(), ids.data_ptr(),
             positions.data_ptr(), self.inv_freq.data_ptr(), self.embed.data_ptr(),
             self.final_norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(), routed.data_ptr(),
+            hidden.data_ptr(),
         )  # fmt: skip
-        return logits, routed if self.moe_layers else None
+        return logits, routed if self.moe_layers else None, hidden
