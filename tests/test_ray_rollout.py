@@ -86,6 +86,33 @@ def test_killed_engine_is_restarted_and_the_step_completes(ray_cluster, tmp_path
     assert_engines_hold(manager, newer.state_dict())
 
 
+def test_a_draft_update_restarts_an_engine_that_died_and_gives_it_the_draft(ray_cluster, tmp_path):
+    """Online draft training: an engine killed after its rollout, before the draft's new weights
+    go out, is restarted by that update (not a stopped run) and holds the new draft, as after
+    every later weight sync."""
+    from miles.config import load_config
+    from miles.rollout.drafts import auto_draft
+    from tests.conftest import small_run_args
+
+    cfg = load_config(small_run_args(tmp_path, 1) + ["--draft-model", "auto", "--online-sft-interval", "1"])
+    save_model(random_model("llama", seed=3), tmp_path / "base")
+    manager = RolloutManager(
+        str(tmp_path / "base"), num_engines=2, max_batch_size=4, max_seq_len=64, run_cfg=cfg
+    )
+    draft = auto_draft(random_model("llama", seed=8), cfg.speculative.draft_layers).state_dict()
+    victim_pid = ray.get(manager.actors[1].pid.remote())
+    ray.kill(manager.actors[1], no_restart=False)
+    manager.update_draft(draft)
+    assert manager.restarts == 1 and ray.get(manager.actors[1].pid.remote()) != victim_pid
+    for actor in manager.actors:
+        held = ray.get(actor.draft_state.remote())
+        assert held.keys() == draft.keys() and all(torch.equal(held[k], v) for k, v in draft.items())
+    ray.kill(manager.actors[0], no_restart=False)  # and a weight sync gives a restarted engine the draft
+    manager.update_weights(random_model("llama", seed=4).state_dict().items(), version=2)
+    held = ray.get(manager.actors[0].draft_state.remote())
+    assert manager.restarts == 2 and all(torch.equal(held[k], v) for k, v in draft.items())
+
+
 def test_broadcast_sync_survives_an_engine_restart(ray_cluster, tmp_path):
     """Weights broadcast over the weight-update group; an engine killed mid-rollout comes back
     with the current weights (from the object store), and the next broadcast re-forms the group

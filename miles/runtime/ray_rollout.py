@@ -195,6 +195,10 @@ class EngineActor:
     def update_draft(self, state: dict[str, torch.Tensor]) -> None:
         self.engine.update_draft(state)
 
+    def draft_state(self) -> dict[str, torch.Tensor]:
+        """The speculative draft's weights (what update_draft last set)."""
+        return {k: v.cpu() for k, v in self.engine.speculator.draft.model.state_dict().items()}
+
     def take_spec_stats(self):
         return self.engine.take_spec_stats()
 
@@ -316,14 +320,19 @@ class RolloutManager:
     def _sync_every_engine(self) -> None:
         """Every engine takes the latest weights (as `_resync` sends them); one that died since
         the last call is restarted and synced again, so a sync never stops the run for it."""
-        refs = [self._resync(group) for group in self.engines]
+        self._on_every_engine(self._resync)
+
+    def _on_every_engine(self, call) -> None:
+        """`call(group)`'s remote calls on every engine; an engine that died before or during
+        them is restarted and given the latest weights and draft (`_recover`)."""
+        refs = [call(group) for group in self.engines]
         for j, engine_refs in enumerate(refs):
             try:
                 ray.get(engine_refs)
             except (RayActorError, RayTaskError) as e:
                 if not self._engine_died(e):
                     raise  # a bug or corrupted weights, not a dead process
-                log.warning("rollout engine %d died before a weight sync; restarting it", j)
+                log.warning("rollout engine %d died before a weight or draft update; restarting it", j)
                 self._recover(j)
 
     def _engine_died(self, e: Exception) -> bool:
@@ -357,7 +366,7 @@ class RolloutManager:
     def update_draft(self, state: dict[str, torch.Tensor]) -> None:
         """The draft's new weights to every engine (one object-store copy, read by all)."""
         self._draft = ray.put(state)  # kept: a restarted engine gets it back in _resync
-        ray.get([a.update_draft.remote(self._draft) for a in self.actors])
+        self._on_every_engine(lambda group: [a.update_draft.remote(self._draft) for a in group])
 
     def take_spec_stats(self):
         from miles.rollout.speculative import SpecStats
@@ -422,15 +431,16 @@ class RolloutManager:
     def _resync(self, actors: list) -> list[ray.ObjectRef]:
         """The latest weights to `actors`, by the way the last sync went (a ping before any sync),
         and the draft's latest weights when it is trained online."""
-        if self._draft is not None:
-            ray.get([a.update_draft.remote(self._draft) for a in actors])
+        # an actor runs one caller's calls in order: the draft arrives before the weights, and a
+        # dead actor shows in the refs (never here), where the caller restarts it
+        draft = [a.update_draft.remote(self._draft) for a in actors] if self._draft is not None else []
         if self._handles is not None:
-            return [a.update_weights_from_handles.remote(self._handles, self.version) for a in actors]
+            return draft + [a.update_weights_from_handles.remote(self._handles, self.version) for a in actors]
         if self._source is not None and not self._buckets:  # broadcast sync: via the object store,
             self._buckets = self._source.publish(self._bucket_bytes)  # put once for every retry and engine
         if self._buckets:
-            return [a.update_weights.remote(self._buckets, self.version) for a in actors]
-        return [a.pid.remote() for a in actors]
+            return draft + [a.update_weights.remote(self._buckets, self.version) for a in actors]
+        return draft + [a.pid.remote() for a in actors]
 
     def generate_until(self, requests: Sequence[Request], enough) -> tuple[list[Sample], list[Sample]]:
         """Partial rollout over the engines: run `requests` until `enough(finished so far)` holds,
