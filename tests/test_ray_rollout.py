@@ -3,6 +3,7 @@ restarted, re-synced and its requests redone, so the step's samples are complete
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -180,7 +181,11 @@ def test_weights_land_mid_rollout_between_decoding_steps(ray_cluster, tmp_path):
     manager = RolloutManager(str(tmp_path / "base"), num_engines=1, max_batch_size=4, max_seq_len=512)
     manager.update_weights(random_model("llama", seed=4).state_dict().items(), version=1)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(requests_for(40, 400))))
+    # lengths differ, so the 4 slots never turn over at one step: whenever the update lands, a
+    # running request spans it
+    reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_new_tokens=300 + 17 * (i % 8)))
+            for i, r in enumerate(requests_for(40, 400))]  # fmt: skip
+    worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
     worker.start()
     time.sleep(0.5)  # mid-rollout
     new = random_model("llama", seed=5)
