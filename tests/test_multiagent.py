@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import deque
 
 import pytest
 import torch
@@ -230,12 +231,15 @@ def test_proposer_problems_and_rewards():
     assert parse_problem("11") is None
     assert [proposer_reward(True, p) for p in (0.0, 0.25, 0.75, 1.0)] == [0.0, 0.75, 0.25, 0.0]
     assert proposer_reward(False, 0.0) == -1.0
+    assert proposer_reward(True, 0.25, repeat_share=0.5) == 0.25  # a problem half the batch also proposed
+    assert proposer_reward(True, 1.0, repeat_share=0.25) == -0.25  # repeating pays less even when solved
 
 
 def test_proposer_solver_episodes_score_each_attempt_and_group_them():
     """Every solver sample is one attempt at a proposed problem, graded by reasoning-gym against
-    the problem's true value; the proposer's reward follows from its problem's attempts."""
-    from miles.multiagent.proposer_solver import ProposerSolver, parse_problem, proposer_reward
+    the problem's true value; the proposer's reward follows from its problem's attempts, less the
+    share of the other proposals that are the same problem."""
+    from miles.multiagent.proposer_solver import ProposerSolver
 
     policy, tokenizer = registry.load("tiny")
     env = ProposerSolver(seed=0, attempts=3, eval_size=8)
@@ -256,11 +260,31 @@ def test_proposer_solver_episodes_score_each_attempt_and_group_them():
         )
         by_group.setdefault(s.metadata["group"], []).append(s.reward)
     assert {len(v) for v in by_group.values()} == {3}
+    assert_proposer_rewards(tokenizer, states, proposals, by_group)
+
+    # greedy, one reference: every proposal is the same problem, paid 5/6 less than a lone one
+    env.references = deque(["47 + 21"])
+    states, samples = env.play(engines, tokenizer, 6, SamplingParams(temperature=0.0), seed=0)
+    assert len({s["problem"] for s in states}) == 1 and states[0]["problem"] is not None
+    groups = {i: [r.reward for r in samples["solver"] if r.metadata["group"] == i] for i in range(6)}
+    assert_proposer_rewards(tokenizer, states, samples["proposer"], groups)
+
+
+def assert_proposer_rewards(tokenizer, states, proposals, by_group) -> None:
+    """Each proposal's reward from its problem's graded attempts (learnable: 1 - pass rate inside
+    (0, 1)), less the share of the other proposals that wrote the same problem; -1 for none."""
+    from miles.multiagent.proposer_solver import parse_problem
+
+    problems = [
+        parse_problem(tokenizer.decode(p.response_tokens, skip_special_tokens=True)) for p in proposals
+    ]
     for i, (sample, state) in enumerate(zip(proposals, states)):
-        text = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
-        assert state["problem"] == parse_problem(text)
+        assert state["problem"] == problems[i]
         passed = sum(r == 1.0 for r in by_group.get(i, [])) / 3
-        assert sample.reward == proposer_reward(state["problem"] is not None, passed)
+        learnable = 1 - passed if 0 < passed < 1 else 0.0
+        repeats = problems.count(problems[i]) - 1
+        want = -1.0 if problems[i] is None else learnable - repeats / len(proposals)
+        assert sample.reward == pytest.approx(want)
 
 
 @pytest.mark.parametrize(

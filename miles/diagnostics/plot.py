@@ -62,7 +62,11 @@ PANELS = [
     ("kuhn_policy", ["bet_*"]),  # P(bet) at each information set
     ("win_rate", ["win_rate_*"]),  # each agent's, and against each population member by age
     # proposer/solver: the solver's held-out accuracy and how much of what the proposer writes it can learn from
-    ("proposer_solver", ["solver_eval_accuracy", "learnable_share", "valid_share", "solver_pass_rate"]),
+    (
+        "proposer_solver",
+        ["solver_eval_accuracy", "learnable_share", "valid_share", "solver_pass_rate", "distinct_share"],
+    ),
+    ("proposer_curriculum", ["problem_digits"]),  # the proposer's problems getting harder as the solver improves
 ]
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,11 +55,12 @@ def parse_problem(text: str, max_digits: int = 3) -> tuple[str, int] | None:
     return f"{a} {op} {b}", a + b if op == "+" else a - b
 
 
-def proposer_reward(valid: bool, pass_rate: float) -> float:
-    """1 - pass rate inside (0, 1) (the learnable band), else 0; -1 without a problem."""
+def proposer_reward(valid: bool, pass_rate: float, repeat_share: float = 0.0) -> float:
+    """1 - pass rate inside (0, 1) (the learnable band), else 0, less `repeat_share` (the share of
+    the step's other proposals that are the same problem); -1 without a problem."""
     if not valid:
         return -1.0
-    return 1.0 - pass_rate if 0.0 < pass_rate < 1.0 else 0.0
+    return (1.0 - pass_rate if 0.0 < pass_rate < 1.0 else 0.0) - repeat_share
 
 
 class ProposerSolver:
@@ -71,10 +72,11 @@ class ProposerSolver:
     max_seq_len = 192  # byte tokens: the chat-templated prompt (~80) and a response
 
     def __init__(self, seed: int = 0, attempts: int = 4, max_digits: int = 3, eval_size: int = 200,
-                 eval_interval: int = 10, references: int = 64) -> None:  # fmt: skip
+                 eval_interval: int = 10, references: int = 64, repeat_penalty: float = 1.0) -> None:  # fmt: skip
         from miles.data.prompts import task_prompts
 
         self.attempts, self.max_digits, self.eval_interval = attempts, max_digits, eval_interval
+        self.repeat_penalty = repeat_penalty
         self.requests_per_episode = 1 + attempts
         self.rng = random.Random(seed)
         self.eval_items, self.scorer = task_prompts("basic_arithmetic", eval_size, seed + 10007, EVAL_TASK)
@@ -128,9 +130,13 @@ class ProposerSolver:
             states[i]["grades"].append(grade)
             solver.append(_own(answer, grade, "solver", group=i))
         proposer = []
+        counts = Counter(s["problem"][0] for s in states if s["problem"] is not None)
         for p, state in zip(proposals, states):
             state["pass_rate"] = sum(g == 1.0 for g in state["grades"]) / self.attempts
-            reward = proposer_reward(state["problem"] is not None, state["pass_rate"])
+            repeats = counts[state["problem"][0]] - 1 if state["problem"] is not None else 0
+            reward = proposer_reward(
+                state["problem"] is not None, state["pass_rate"], self.repeat_penalty * repeats / n
+            )
             proposer.append(_own(p, reward, "proposer"))
             if reward > 0:  # learnable: a reference for later proposals
                 self.references.append(state["problem"][0])
@@ -148,6 +154,7 @@ class ProposerSolver:
             "learnable_share": sum(0 < s["pass_rate"] < 1 for s in valid) / len(states),
             "solver_pass_rate": sum(s["pass_rate"] for s in valid) / len(valid),
             "problem_digits": sum(digits) / len(digits),
+            "distinct_share": len({s["problem"][0] for s in valid}) / len(valid),
         }
 
     def tracker(self) -> SolverEval:
