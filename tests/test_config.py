@@ -262,3 +262,17 @@ def test_an_explicit_flag_beats_the_environment_and_bad_switches_are_named(monke
     monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "2")
     with pytest.raises(ConfigError, match="NVTE_FP8_BLOCK_SCALING_FP32_SCALES='2': use 1 .on. or 0"):
         load_config(["--eval-size", "0", "--fp8-recipe", "blockwise"])
+
+
+def test_every_example_loads_and_draft_model_none_turns_off_the_yaml_draft():
+    """Each config in examples/ is valid as shipped; `--draft-model none` on one that trains an
+    EAGLE draft online gives a plain run (no draft, no draft training), not an error."""
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+    assert len(examples) >= 5
+    for path in examples:
+        load_config(["--config", str(path)])
+    speculative = str(Path(__file__).parent.parent / "examples" / "speculative_rollout.yaml")
+    spec = load_config(["--config", speculative]).speculative
+    assert spec.draft_model == "eagle" and spec.online_sft_interval == 2
+    spec = load_config(["--config", speculative, "--draft-model", "none"]).speculative
+    assert spec.draft_model is None and spec.online_sft_interval == 0

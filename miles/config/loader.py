@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from miles.config.schema import CoEvolutionSection, RunConfig
+from miles.config.schema import CoEvolutionSection, RunConfig, SpeculativeSection
 from miles.errors import ConfigError
 
 ENV_NOT_YET: dict[str, str] = {}  # environment variables of features not built yet: refused
@@ -405,7 +405,10 @@ def validate_precision(cfg: RunConfig) -> None:
 
 
 def validate_speculative(cfg: RunConfig) -> None:
-    """Draft settings need a draft; an n-gram draft has no weights to train."""
+    """Draft settings need a draft; an n-gram draft has no weights to train. `--draft-model none`
+    turns off a draft the YAML set up, with the settings that go with it."""
+    if cfg.speculative.draft_model == "none":
+        cfg.speculative = SpeculativeSection()
     spec = cfg.speculative
     given = [
         flag

@@ -731,9 +731,9 @@ class SpeculativeSection:
 
     draft_model: str | None = option(
         None,
-        "speculative decoding in the rollout engine: eagle (a small block over the policy's hidden state; "
-        "train it with --online-sft-interval) | auto (the policy's first --draft-layers blocks) | ngram "
-        "(continues recent matches; no model) | a checkpoint path. Tokens still follow the policy exactly",
+        "speculative rollout's draft: eagle (a small block over the policy's hidden state; train it with "
+        "--online-sft-interval) | auto (the policy's first --draft-layers blocks) | ngram (recent matches; no "
+        "model) | a checkpoint | none (off, with the YAML's draft settings). Tokens follow the policy exactly",
     )
     draft_layers: int = option(
         1, "with --draft-model auto: how many of the policy's blocks the draft keeps", bounds="[1, inf)"
