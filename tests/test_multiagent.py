@@ -217,6 +217,10 @@ def test_doctor_names_oscillation_and_dominance_and_its_remedies_load(tmp_path):
         found and "stopped exploring" in found.cause and "100% of P(bet) at 0 or 1" in found.evidence[0].note
     )
     assert ["--magnet-kl-coef", "0.5"] in [r.flags for r in found.remedies]
+    # one corner, a jump to another, stuck there: too small a swing to oscillate, frozen at the end
+    jumped = [{"exploitability": 0.6667 if i < 45 else 0.8333, "exploitability_avg": 0.57} for i in range(60)]
+    found = write(jumped)
+    assert found and "stopped exploring" in found.cause and "last fifth" in found.evidence[0].note
     dominated = [{"agent_reward_player_1": 0.9, "agent_reward_player_2": -0.9} for _ in range(40)]
     found = write(dominated)
     assert found and "player_1 dominates" in found.cause and "player_2 is dominated" in found.cause

@@ -669,6 +669,13 @@ def _co_evolution_remedies(run: RunRecord) -> list[Remedy]:
     return remedies
 
 
+def _frozen(last_half: list[float]) -> bool:
+    """The last iterate's exploitability constant over the run's last fifth (the last 40% of the
+    last half): the policies sit in a deterministic corner, whatever jumps brought them there."""
+    end = last_half[-max(4, (len(last_half) * 2) // 5) :]
+    return max(end) - min(end) < 0.01
+
+
 @check("co_evolution_instability", "co-evolution: the agents oscillate, or one dominates")
 def co_evolution_instability(run: RunRecord, compare: RunRecord | None):
     steps = run.steps
@@ -699,13 +706,13 @@ def co_evolution_instability(run: RunRecord, compare: RunRecord | None):
                 )
             )
             causes.append("each agent chases the other's latest policy, so neither settles")
-        elif swing < 0.01 and last[-1] > THRESHOLDS["co_evolution_stuck"]:
+        elif _frozen(last) and last[-1] > THRESHOLDS["co_evolution_stuck"]:
             bets = [v for k, v in tail[-1].items() if k.startswith("bet_") and isinstance(v, (int, float))]
             corner = sum(v < 0.01 or v > 0.99 for v in bets) / len(bets) if bets else None
             note = (
-                f"constant over the last half; {corner:.0%} of P(bet) at 0 or 1"
+                f"constant over the last fifth; {corner:.0%} of P(bet) at 0 or 1"
                 if bets
-                else "constant over the last half"
+                else "constant over the last fifth"
             )
             evidence.append(
                 Evidence("exploitability", last[-1], None, THRESHOLDS["co_evolution_stuck"], note=note)
