@@ -129,6 +129,9 @@ def test_greedy_tokens_logprobs_and_routing_equal_plain_decoding(tiny, eagle, dr
     assert mismatched <= 0.001 * total  # the policy's own routing, for accepted tokens only
     stats = engine.speculator.stats
     assert stats.passes > 0 and stats.accepted > 0 and stats.emitted > stats.rows  # proposals were accepted
+    # every token but each request's first comes from a decode step, speculative ones included
+    times = engine.take_times()
+    assert times.decode_tokens == sum(s.response_length - 1 for s in fast) and times.decode_seconds > 0
 
 
 @pytest.mark.parametrize("kind, k", [("auto", 1), ("eagle", 2)])

@@ -471,7 +471,12 @@ class Engine:
         after = sum(len(s.response) for s in self._running.values()) + sum(
             s.response_length for s in finished
         )
-        spec.record(batch, speculative, after - before, timer.lap())
+        elapsed = timer.lap()
+        if speculative:  # the whole step (draft, verify, acceptance): a plain step times its own forward
+            self.times.decode_seconds += elapsed
+            self.times.decode_steps += 1
+            self.times.decode_tokens += after - before
+        spec.record(batch, speculative, after - before, elapsed)
         return finished
 
     def _decode_speculative(self, k: int) -> list[Sample]:
