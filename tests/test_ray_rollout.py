@@ -3,7 +3,6 @@ restarted, re-synced and its requests redone, so the step's samples are complete
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -19,11 +18,14 @@ from miles.runtime.ray_rollout import RolloutManager
 from tests.conftest import random_model
 
 
-def requests_for(n: int, new_tokens: int) -> list[Request]:
+def requests_for(n: int, new_tokens: int, vary: int = 0) -> list[Request]:
+    """`n` requests of `new_tokens` tokens each, plus `vary` x (i mod 8) for request i."""
     return [
         Request(
             [1 + i % 7, 2, 3],
-            SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=1000 + i, ignore_eos=True),
+            SamplingParams(
+                temperature=1.0, max_new_tokens=new_tokens + vary * (i % 8), seed=1000 + i, ignore_eos=True
+            ),
         )
         for i in range(n)
     ]
@@ -183,8 +185,7 @@ def test_weights_land_mid_rollout_between_decoding_steps(ray_cluster, tmp_path):
     result = {}
     # lengths differ, so the 4 slots never turn over at one step: whenever the update lands, a
     # running request spans it
-    reqs = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_new_tokens=300 + 17 * (i % 8)))
-            for i, r in enumerate(requests_for(40, 400))]  # fmt: skip
+    reqs = requests_for(40, 300, vary=17)
     worker = threading.Thread(target=lambda: result.update(samples=manager.generate(reqs)))
     worker.start()
     time.sleep(0.5)  # mid-rollout

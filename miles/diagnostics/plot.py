@@ -66,10 +66,8 @@ PANELS = [
         "proposer_solver",
         ["solver_eval_accuracy", "learnable_share", "valid_share", "solver_pass_rate", "distinct_share"],
     ),
-    (
-        "proposer_curriculum",
-        ["problem_digits"],
-    ),  # the proposer's problems getting harder as the solver improves
+    # the proposer's problems getting harder as the solver improves
+    ("proposer_curriculum", ["problem_digits"]),
 ]
 
 

@@ -132,14 +132,15 @@ class ProposerSolver:
         proposer = []
         counts = Counter(s["problem"][0] for s in states if s["problem"] is not None)
         for p, state in zip(proposals, states):
+            problem = state["problem"]
             state["pass_rate"] = sum(g == 1.0 for g in state["grades"]) / self.attempts
-            repeats = counts[state["problem"][0]] - 1 if state["problem"] is not None else 0
+            repeats = counts[problem[0]] - 1 if problem is not None else 0
             reward = proposer_reward(
-                state["problem"] is not None, state["pass_rate"], self.repeat_penalty * repeats / n
+                problem is not None, state["pass_rate"], self.repeat_penalty * repeats / n
             )
             proposer.append(_own(p, reward, "proposer"))
             if reward > 0:  # learnable: a reference for later proposals
-                self.references.append(state["problem"][0])
+                self.references.append(problem[0])
         return states, {"proposer": proposer, "solver": solver}
 
     def episode_metrics(self, states: list[dict[str, Any]]) -> dict[str, float]:

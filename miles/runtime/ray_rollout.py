@@ -197,7 +197,7 @@ class EngineActor:
 
     def draft_state(self) -> dict[str, torch.Tensor]:
         """The speculative draft's weights (what update_draft last set)."""
-        return {k: v.cpu() for k, v in self.engine.speculator.draft.model.state_dict().items()}
+        return {k: v.cpu() for k, v in self.engine.draft.model.state_dict().items()}
 
     def take_spec_stats(self):
         return self.engine.take_spec_stats()
@@ -438,9 +438,9 @@ class RolloutManager:
             return draft + [a.update_weights_from_handles.remote(self._handles, self.version) for a in actors]
         if self._source is not None and not self._buckets:  # broadcast sync: via the object store,
             self._buckets = self._source.publish(self._bucket_bytes)  # put once for every retry and engine
-        if self._buckets:
-            return draft + [a.update_weights.remote(self._buckets, self.version) for a in actors]
-        return draft + [a.pid.remote() for a in actors]
+        if not self._buckets:
+            return draft + [a.pid.remote() for a in actors]
+        return draft + [a.update_weights.remote(self._buckets, self.version) for a in actors]
 
     def generate_until(self, requests: Sequence[Request], enough) -> tuple[list[Sample], list[Sample]]:
         """Partial rollout over the engines: run `requests` until `enough(finished so far)` holds,
