@@ -6,8 +6,10 @@ for `basic_arithmetic` grades each answer against the problem's true value. Rewa
 - solver: the scorer's grade of each attempt (1.0 for the bare right number, partial credit for
   a right number inside other text);
 - proposer: 1 - (solver pass rate) when the pass rate is strictly between 0 and 1 (a problem the
-  solver solves sometimes: it can learn from it), 0 for one it always or never solves, and -1 for
-  a response with no problem in it.
+  solver solves sometimes: it can learn from it), 0 for one it always or never solves, less
+  `repeat_penalty` x the share of the step's other proposals that are the same problem (so a
+  proposer cannot settle on a few problems the solver has learned), and -1 for a response with
+  no problem in it.
 
 The proposer's prompt shows a reference problem, as Absolute Zero's does: drawn from the last
 `references` problems that were learnable (seeded with the task's own 1-2 digit problems), so
