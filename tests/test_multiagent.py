@@ -121,7 +121,7 @@ def test_alternating_trains_only_the_active_agent(tmp_path):
 
     train(load_config(kuhn_args(tmp_path, "--num-rollout", "2", "--co-evolution-interval", "2")))
     base, _ = registry.load("tiny")
-    saved = {n: registry.load(str(tmp_path / "agents" / n))[0].state_dict() for n in kuhn.PLAYERS}
+    saved = {n: registry.model_for(str(tmp_path / "agents" / n)).state_dict() for n in kuhn.PLAYERS}
     assert all(torch.equal(saved["player_2"][k], v) for k, v in base.state_dict().items())
     assert any(not torch.equal(saved["player_1"][k], v) for k, v in base.state_dict().items())
     steps = read_metrics(tmp_path)
@@ -337,8 +337,8 @@ def test_a_stopped_run_resumes_to_the_same_steps_and_weights(tmp_path, flags):
             k: v for k, v in y.items() if "time" not in k
         }
     for name in kuhn.PLAYERS:
-        ours = registry.load(str(whole / "agents" / name))[0].state_dict()
-        theirs = registry.load(str(part / "agents" / name))[0].state_dict()
+        ours = registry.model_for(str(whole / "agents" / name)).state_dict()
+        theirs = registry.model_for(str(part / "agents" / name)).state_dict()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
@@ -380,7 +380,7 @@ def test_the_magnet_moves_the_kl_reference_to_the_policy_or_to_saved_weights():
     from miles.train.policy_trainer import PolicyTrainer
 
     cfg = load_config(["--model", "tiny", "--use-kl-loss", "--kl-loss-coef", "0.5", "--lr", "1e-2"])
-    trainer = PolicyTrainer(registry.load("tiny")[0], cfg)
+    trainer = PolicyTrainer(registry.model_for("tiny"), cfg)
     g = torch.Generator().manual_seed(0)
     samples = [
         Sample(tokens=torch.randint(0, 250, (12,), generator=g).tolist(), response_length=6) for _ in range(4)

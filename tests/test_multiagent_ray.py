@@ -29,9 +29,9 @@ def test_agents_on_ray_match_the_one_process_run(ray_cluster, tmp_path):
             if key.startswith(("agent_reward", "win_rate", "opponent_snapshot", "bet_")):
                 assert b[key] == pytest.approx(a[key], abs=1e-5), key
     for name in kuhn.PLAYERS:
-        ours = registry.load(str(tmp_path / "local" / "agents" / name))[0].state_dict()
-        theirs = registry.load(str(tmp_path / "ray" / "agents" / name))[0].state_dict()
-        base = registry.load("tiny")[0].state_dict()
+        ours = registry.model_for(str(tmp_path / "local" / "agents" / name)).state_dict()
+        theirs = registry.model_for(str(tmp_path / "ray" / "agents" / name)).state_dict()
+        base = registry.model_for("tiny").state_dict()
         for k in ours:
             diff = (ours[k] - theirs[k]).abs()
             moved = float((ours[k] - base[k]).abs().max())

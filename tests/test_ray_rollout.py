@@ -3,6 +3,7 @@ restarted, re-synced and its requests redone, so the step's samples are complete
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -264,10 +265,15 @@ def test_tool_conversations_on_ray_engines_equal_the_local_engines(ray_cluster, 
         )
 
     try:
+        # no stop string: the engines never load the tokenizer; the manager decodes the text
+        plain = [Request([1, 2, 3], SamplingParams(max_new_tokens=20, seed=i)) for i in range(4)]
+        texts = [s.response for s in manager.generate(plain)]
+        assert texts == [s.response for s in local.generate(copy.deepcopy(plain))] and all(texts)
         got, want = conversations(manager), conversations(local)
     finally:
         box.close()
         manager.shutdown()
     assert [(s.tokens, s.loss_mask) for s in got] == [(s.tokens, s.loss_mask) for s in want]
+    assert [s.response for s in got] == [s.response for s in want]
     assert all(s.metadata["turns"] == 2 and s.metadata["tool_calls"] == 1 for s in got)
     assert all(s.rollout_routed_experts.shape[0] == len(s.tokens) - 1 for s in got)

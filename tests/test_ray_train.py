@@ -231,7 +231,7 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
 
 def assert_sent_once_per_engine_process(records: list[dict], syncs: int) -> None:
     """Each sync sent the model's payload (with 64-byte alignment) once to each of 2 engine processes."""
-    hf = hf_state_dict(registry.load("tiny")[0])
+    hf = hf_state_dict(registry.model_for("tiny"))
     model_bytes = sum(t.numel() * t.element_size() for t in hf.values())
     synced = [r for r in records if "sync_moved_bytes" in r]
     assert len(synced) == syncs and all(r["sync_buckets"] > 1 for r in synced)
@@ -252,8 +252,8 @@ def test_fsdp_sharded_state_is_not_moved_by_hand(caplog):
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         cfg = make_config({"model": "tiny-random"})
-        plain = PolicyTrainer(registry.load("tiny-random")[0], cfg)
-        sharded_model = registry.load("tiny-random")[0]
+        plain = PolicyTrainer(registry.model_for("tiny-random"), cfg)
+        sharded_model = registry.model_for("tiny-random")
         shard_fsdp(sharded_model, torch.device("cpu"))
         sharded = PolicyTrainer(sharded_model, cfg)
         assert plain._can_offload() and not sharded._can_offload() and not sharded._can_offload()

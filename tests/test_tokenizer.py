@@ -31,3 +31,28 @@ def test_saved_tokenizer_loads_with_transformers(tmp_path):
     )
     assert prompt == "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n"
     assert len(TOK) == 260
+
+
+def test_a_process_that_reads_no_text_never_imports_transformers():
+    """Training ranks and engine actors load the model alone (`registry.model_for`): the
+    built-in model's ids are the byte tokenizer's without building it, and no process that only
+    computes pays the second transformers takes to import."""
+    import subprocess
+    import sys
+
+    from miles.models import registry
+    from miles.models.tokenizer import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
+
+    assert (len(TOK), TOK.eos_token_id, TOK.pad_token_id) == (BYTE_VOCAB_SIZE, BYTE_EOS_ID, BYTE_PAD_ID)
+    config = registry.model_for("tiny-random").config
+    assert (config.vocab_size, config.eos_token_id, config.pad_token_id) == (
+        len(TOK),
+        TOK.eos_token_id,
+        TOK.pad_token_id,
+    )
+    code = (
+        "import sys; from miles.models import registry; import miles.runtime.ray_train, miles.runtime.ray_rollout; "
+        "[registry.model_for(m) for m in ('tiny', 'tiny-random')]; print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

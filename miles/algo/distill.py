@@ -39,7 +39,7 @@ def load_teacher(path: str, policy: torch.nn.Module, seed: int) -> torch.nn.Modu
     """The teacher model, frozen; its vocabulary must be the policy's (the same token ids)."""
     from miles.models import registry
 
-    teacher, _ = registry.load(path, seed=seed)
+    teacher = registry.model_for(path, seed=seed)
     theirs, ours = teacher.lm_head.weight.shape[0], policy.lm_head.weight.shape[0]
     if theirs != ours:
         raise ConfigError(

@@ -162,7 +162,7 @@ def engine_forward(model: Transformer, ids: torch.Tensor, prompt: int) -> torch.
 def build_sides(run_dir: Path, dump: MismatchDump) -> tuple[Transformer, Transformer, object, str]:
     """(trainer model, engine model, the run's config, where the engine's weights came from)."""
     cfg = run_config(Path(run_dir) / "config.yaml")
-    base, _ = registry.load(cfg.model.model, seed=cfg.train.seed)
+    base = registry.model_for(cfg.model.model, seed=cfg.train.seed)
     trainer = quantize_train_model(copy.deepcopy(base), cfg)
     trainer.load_state_dict(dump.trainer)
     engine = prepare_rollout_model(copy.deepcopy(base), cfg)

@@ -67,7 +67,7 @@ def int4_group_sizes(model: str) -> dict:
     from miles.quant.convert import quantized_names
     from miles.quant.int4 import divisors
 
-    policy, _ = registry.load(model)
+    policy = registry.model_for(model)
     widths = sorted({policy.get_submodule(n).in_features for n in quantized_names(policy)})
     return {"model": model, "linear_input_sizes": widths, "int4_group_sizes": divisors(widths)}
 

@@ -15,7 +15,7 @@ from miles.models.checkpoint import load_model, read_config
 from miles.models.config import tiny_moe_config
 from miles.models.gguf import gguf_checkpoint, load_gguf, smollm2_gguf_path
 from miles.models.linear import LinearFactory, default_linear
-from miles.models.tokenizer import byte_tokenizer, load_tokenizer
+from miles.models.tokenizer import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, byte_tokenizer, load_tokenizer
 from miles.models.transformer import Transformer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -46,10 +46,10 @@ def model_path(spec: str, flag: str = "--model") -> Path | None:
 def context_length(spec: str) -> int:
     """The model's context (max_position_embeddings), read from its config alone."""
     if spec == "tiny-random":
-        return tiny_moe_config(vocab_size=len(byte_tokenizer())).max_position_embeddings
+        return tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE).max_position_embeddings
     path = model_path(spec)
     if path is None:
-        return tiny_moe_config(vocab_size=len(byte_tokenizer())).max_position_embeddings
+        return tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE).max_position_embeddings
     if path.suffix == ".gguf":  # the cache could not be written: the weights tell
         return load_gguf(path).config.max_position_embeddings
     return read_config(path).max_position_embeddings
@@ -66,36 +66,33 @@ def tokenizer_for(spec: str):
     return load_tokenizer(path) if has_tokenizer else None
 
 
-def load(
+def load(spec: str, **model_options) -> tuple[Transformer, object]:
+    """(model, tokenizer) for `--model spec`: `model_for(spec, **model_options)` and
+    `tokenizer_for(spec)`; tokenizer is None for a checkpoint without one."""
+    return model_for(spec, **model_options), tokenizer_for(spec)
+
+
+def model_for(
     spec: str,
     device: str | torch.device = "cpu",
     make_linear: LinearFactory = default_linear,
     seed: int = 0,
     tp: tuple[int, int] | None = None,
     flag: str = "--model",
-) -> tuple[Transformer, object]:
-    """(model, tokenizer) for `--model spec`; tokenizer is None for a checkpoint without one.
-    `tp` = (rank, world): that tensor-parallel rank's part (`load_model`); `flag`: the option
-    named in errors (a draft is --draft-model)."""
+) -> Transformer:
+    """The model of `--model spec` alone: a process that never reads text (a training rank, a
+    rollout engine, a teacher) skips the tokenizer and the second it takes to import its library.
+    `tp` = (rank, world): that tensor-parallel rank's part; `flag`: the option named in errors
+    (a draft is --draft-model)."""
     path = model_path(spec, flag)
-    if path is None:
+    if path is None or path.suffix == ".gguf":  # built in; or a GGUF file whose copy could not be cached
         from miles.models.tensor_parallel import shard_model
 
-        tokenizer = byte_tokenizer()
-        config = tiny_moe_config(vocab_size=len(tokenizer))
-        config.eos_token_id = tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
-        model = Transformer(config, make_linear).init_weights(seed=seed)
-        return (shard_model(model, *tp) if tp is not None else model).to(device), tokenizer
-    if path.suffix != ".gguf":
-        read_config(path)  # a bad config.json is named as such, not as a tokenizer problem
-    has_tokenizer = path.suffix == ".gguf" or any(
-        (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
-    )
-    tokenizer = load_tokenizer(path) if has_tokenizer else None  # token-id-only use needs none
-    if path.suffix == ".gguf":  # the converted copy could not be cached: from the file itself
-        from miles.models.tensor_parallel import shard_model
-
-        model = load_gguf(path, device=device, make_linear=make_linear)
-        return (shard_model(model, *tp) if tp is not None else model), tokenizer
-    return load_model(path, device=device, make_linear=make_linear, tp=tp), tokenizer
+        if path is None:
+            config = tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE)
+            config.eos_token_id, config.pad_token_id = BYTE_EOS_ID, BYTE_PAD_ID
+            model = Transformer(config, make_linear).init_weights(seed=seed)
+        else:
+            model = load_gguf(path, make_linear=make_linear)
+        return (shard_model(model, *tp) if tp is not None else model).to(device)
+    return load_model(path, device=device, make_linear=make_linear, tp=tp)

@@ -20,6 +20,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+# the byte tokenizer's ids, known without building it (the built-in model's config needs them)
+BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+BYTE_EOS_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+BYTE_PAD_ID = 256 + SPECIAL_TOKENS.index("<|pad|>")
 
 
 def byte_tokenizer():

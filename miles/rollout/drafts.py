@@ -258,7 +258,7 @@ def load_draft(spec_cfg, policy: Transformer, device) -> Transformer | None:
     if spec_cfg.draft_model == "auto":
         draft = auto_draft(policy, spec_cfg.draft_layers)
     else:
-        draft, _ = registry.load(spec_cfg.draft_model, flag="--draft-model")
+        draft = registry.model_for(spec_cfg.draft_model, flag="--draft-model")
         if draft.config.vocab_size != policy.config.vocab_size:
             raise ConfigError(
                 f"--draft-model {spec_cfg.draft_model}: vocabulary of {draft.config.vocab_size} tokens, the policy's "

@@ -123,9 +123,12 @@ class Engine:
         admit_batch: int | None = None,
         speculator: Speculator | None = None,
         decode_step: str = "auto",
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         """`decode_step`: auto | fused | general (`miles.rollout.steps.choose_step`);
-        `admit_batch`: while requests decode, admit waiting ones once this many slots are free."""
+        `admit_batch`: while requests decode, admit waiting ones once this many slots are free;
+        `eos_token_ids`: ends of text besides the model config's and the tokenizer's (an engine
+        whose tokenizer stays with the caller: a Ray engine actor)."""
         self.model, self.tokenizer, self.speculator = model.eval(), tokenizer, speculator
         self.device = model.lm_head.weight.device  # inputs go there; sampling noise is drawn on CPU
         self.slots, self.seed, self.step_choice = max_batch_size, seed, decode_step
@@ -142,7 +145,7 @@ class Engine:
         self.weight_version = 0
         self.restarts = 0  # an in-process engine is never restarted (the Ray manager's count)
         self.is_moe = model.config.is_moe
-        self._eos = set(model.config.eos_token_ids)
+        self._eos = set(model.config.eos_token_ids) | set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self._eos.add(tokenizer.eos_token_id)
         self._uids = itertools.count()

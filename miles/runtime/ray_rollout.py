@@ -60,9 +60,12 @@ class EngineActor:
         tp: tuple[int, int, str, int] | None = None,
         device: str = "cpu",
         run_cfg=None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         """`tp` = (rank, size, addr, port): this actor is one rank of a tensor-parallel engine.
-        `device`: --device (cuda: the GPU Ray gave this actor)."""
+        `device`: --device (cuda: the GPU Ray gave this actor). The engine works in token ids (the
+        manager holds the tokenizer and writes each sample's text); `eos_token_ids`: the
+        tokenizer's end of text. The tokenizer is loaded here only for requests with stop strings."""
         from miles.models import registry
         from miles.rollout.engine import Engine
         from miles.runtime.devices import resolve_device
@@ -80,7 +83,8 @@ class EngineActor:
                 world_size=self.tp_size,
             )
         # a tensor-parallel rank reads only its own part of the checkpoint
-        policy, tokenizer = registry.load(model, tp=(self.tp_rank, self.tp_size) if tp else None)
+        self.model_spec = model
+        policy = registry.model_for(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
         speculator, decode = None, {}
         if run_cfg is not None:  # the run's configuration, as the driver resolved it (FP8, INT4, draft)
@@ -92,11 +96,12 @@ class EngineActor:
             decode = run_cfg.rollout.decode_options()
         self.engine = Engine(
             policy,
-            tokenizer,
+            None,
             max_batch_size,
             max_seq_len=max_seq_len,
             seed=seed,
             speculator=speculator,
+            eos_token_ids=eos_token_ids,
             **decode,
         )
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
@@ -109,11 +114,20 @@ class EngineActor:
 
         return shard_named(named, self.tp_rank, self.tp_size)
 
+    def _tokenizer_for(self, requests: list[Request]) -> None:
+        """Stop strings are matched on text: the engine gets the tokenizer the first time one comes."""
+        if self.engine.tokenizer is None and any(r.params.stop for r in requests):
+            from miles.models.registry import tokenizer_for
+
+            self.engine.tokenizer = tokenizer_for(self.model_spec)
+
     def generate(self, requests: list[Request]) -> list[Sample]:
+        self._tokenizer_for(requests)
         return self.engine.generate(requests)
 
     def start(self, requests: list[Request]) -> None:
         """Partial rollout: take `requests`; `advance` runs them in lock-step with the other engines."""
+        self._tokenizer_for(requests)
         for r in requests:
             self.engine.add_request(r)
 
@@ -226,14 +240,17 @@ class RolloutManager:
         """`run_cfg`: the run's configuration, for every engine (FP8). `actor_options[i]`: Ray options of actor i (its placement-group bundle and share);
         engine j is actors j*tp_size .. (j+1)*tp_size - 1."""
 
+        from miles.models.registry import tokenizer_for
+
+        # prompts are encoded and responses decoded here; the engines work in token ids
+        self.tokenizer = tokenizer_for(model)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
         self._options = actor_options or [{}] * (num_engines * tp_size)
         self._engine_args = (model, max_batch_size, max_seq_len, seed)
+        self._eos = () if eos is None else (eos,)
         self.tp_size, self.device, self.run_cfg = tp_size, device, run_cfg
         self.engines: list[list] = [self._start_engine(j) for j in range(num_engines)]
         self.actors = [a for g in self.engines for a in g]
-        from miles.models.registry import tokenizer_for
-
-        self.tokenizer = tokenizer_for(model)  # prompts are encoded here, generated there
         self.max_retries = max_retries
         self._buckets: list[tuple[BucketMeta, ray.ObjectRef]] = []
         self._handles: bytes | None = None
@@ -254,7 +271,7 @@ class RolloutManager:
         if self.tp_size == 1:  # two threads: a weight update lands mid-rollout, between decoding steps
             return [
                 EngineActor.options(**members[0], max_concurrency=2).remote(
-                    *self._engine_args, device=self.device, run_cfg=self.run_cfg
+                    *self._engine_args, device=self.device, run_cfg=self.run_cfg, eos_token_ids=self._eos
                 )
             ]
         addr, port = rendezvous(members[0])
@@ -266,6 +283,7 @@ class RolloutManager:
                 tp=(r, self.tp_size, addr, port),
                 device=self.device,
                 run_cfg=self.run_cfg,
+                eos_token_ids=self._eos,
             )
             for r, opts in enumerate(members)
         ]
@@ -456,11 +474,12 @@ class RolloutManager:
             ray.get([actor.start.remote(chunk) for actor, chunk in work])
             while True:  # every engine advances the same number of steps, results read in engine order
                 results = ray.get([actor.advance.remote(LOCKSTEP_STEPS) for actor, _ in work])
-                finished += [s for new, _ in results for s in new]
+                finished += self._with_text([s for new, _ in results for s in new])
                 if all(done for _, done in results):
                     return finished, []
                 if enough(finished):
-                    rest = [s for part in ray.get([actor.stop.remote() for actor, _ in work]) for s in part]
+                    parts = ray.get([actor.stop.remote() for actor, _ in work])
+                    rest = self._with_text([s for part in parts for s in part])
                     finished += [s for s in rest if s.status != Status.ABORTED]
                     return finished, [s for s in rest if s.status == Status.ABORTED]
         except (RayActorError, RayTaskError) as e:
@@ -496,7 +515,15 @@ class RolloutManager:
                 self._recover(i)
                 pending[i] = submit(i)
                 continue
-            for j, s in zip(chunks[i], samples):
+            for j, s in zip(chunks[i], self._with_text(samples)):
                 out[j] = s
             del pending[i]
         return out  # type: ignore[return-value]
+
+    def _with_text(self, samples: list[Sample]) -> list[Sample]:
+        """Each sample's response text, decoded from its tokens as an in-process engine does."""
+        if self.tokenizer is not None:
+            for s in samples:
+                new = s.tokens[len(s.tokens) - s.response_length :]
+                s.response = self.tokenizer.decode(new, skip_special_tokens=True)
+        return samples

@@ -95,7 +95,7 @@ class TrainerActor(GroupSender):
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
         torch.manual_seed(cfg.train.seed)
-        policy, _ = registry.load(cfg.model.model, seed=cfg.train.seed, device=device)
+        policy = registry.model_for(cfg.model.model, seed=cfg.train.seed, device=device)
         self.critic = None
         if cfg.algo.advantage_estimator == "ppo":  # a critic replica on every rank, data-parallel
             from miles.train.critic import Critic, value_model

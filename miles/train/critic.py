@@ -36,7 +36,7 @@ def value_model(policy: Transformer, critic_model: str | None, seed: int) -> Tra
     if critic_model:
         from miles.models import registry
 
-        model, _ = registry.load(critic_model, seed=seed)
+        model = registry.model_for(critic_model, seed=seed)
     else:
         model = copy.deepcopy(policy)
     head = nn.Linear(model.config.hidden_size, 1, bias=True)
