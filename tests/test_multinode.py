@@ -52,7 +52,9 @@ def test_two_nodes_train_like_one_process(two_nodes, tmp_path, monkeypatch, capl
     where(RolloutManager, lambda m: m.node_ids())
 
     reference = local_run(2)
-    model_bytes = sum(t.numel() * t.element_size() for t in hf_state_dict(registry.model_for("tiny")).values())
+    model_bytes = sum(
+        t.numel() * t.element_size() for t in hf_state_dict(registry.model_for("tiny")).values()
+    )
     layout = ["--actor-num-nodes", "2", "--rollout-num-gpus", "2", "--check-weight-update-equal"]
     runs = {
         "broadcast": ["--sync-transport", "broadcast"],  # the weight-update group spans both nodes

@@ -18,7 +18,8 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_r
     """`miles train --actor-num-gpus-per-node 2 --rollout-num-gpus 2` (processes on CPU) logs the
     same metrics as the one-process run, and saves a checkpoint from rank 0. The run is in
     --true-on-policy-mode, so train and rollout log-probs are also bitwise equal at every step
-    across the processes (the plain 2 + 2 layout runs in the sync tests below)."""
+    across the processes (the plain 2 + 2 layout runs in the sync tests below); its sync is
+    --use-zero-copy-sync, so the engines map rank 0's memory: handles of a few KB a sync."""
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
@@ -34,10 +35,13 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_r
         "--save",
         str(tmp_path / "ckpt"),
         "--check-weight-update-equal",
+        "--use-zero-copy-sync",
     ]
     train(load_config(args))
     local, distributed = local_run(2, *TRUE_ON_POLICY), read_metrics(tmp_path / "ray")
     assert_same_run(local, distributed)
+    moved = [r["sync_moved_bytes"] for r in distributed if "sync_moved_bytes" in r]
+    assert moved and all(m < 64_000 for m in moved)  # handles: the 1.8M-parameter model is 7 MB
     assert (tmp_path / "ckpt" / "latest").read_text() == "1"
     # each process kind's peak memory per step: ranks and engines each hold a model and torch (> 100 MB)
     trained = [r for r in distributed if r["rollout"] >= 0]
@@ -47,16 +51,16 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_r
 
 
 def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path, local_run):
-    """--use-zero-copy-sync: local and Ray engines map the trainer's memory (with several ranks,
-    rank 0's own): same run, and each sync moves handles of a few KB instead of the 7 MB model."""
+    """--use-zero-copy-sync: the local engine and Ray engine actors map the trainer's memory
+    (with several ranks, rank 0's own: the test above): same run, and each sync moves handles of
+    a few KB instead of the 7 MB model."""
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
     reference = local_run(3)
-    ranks = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"]  # engines map rank 0's memory
-    for name, extra in (("local", []), ("ray", ["--rollout-num-gpus", "2"]), ("ranks", ranks)):
+    for name, extra in (("local", []), ("ray", ["--rollout-num-gpus", "2"])):
         train(
             load_config(
                 small_run_args(tmp_path / name, 2)
@@ -170,32 +174,17 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, monkeypat
     assert trained[0][kl_metric] == 0 and trained[1][kl_metric] > 0, [r.get(kl_metric) for r in trained]
 
 
-def test_tensor_parallel_engine_in_miles_train(ray_cluster, tmp_path, local_run):
-    """--rollout-num-gpus 2 --rollout-num-gpus-per-engine 2: one engine split over two processes
-    (gloo). Same run as one process; --check-weight-update-equal reassembles the engine's halves
-    and compares them with the trainer's weights after every sync."""
-    from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
-    from tests.conftest import small_run_args
-
-    tp = ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2", "--check-weight-update-equal"]
-    train(load_config(small_run_args(tmp_path / "tp", 3) + tp))
-    local, split = local_run(3), read_metrics(tmp_path / "tp")
-    assert_same_run(local, split, rel=1e-3)
-
-
 def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path, local_run):
     """--data-parallel fsdp: weights, gradients and optimizer state sharded over 2 ranks (FSDP2
-    fully_shard, gloo). Same metrics as one process; the engines get rank 0's gathered weights
-    (checked); a checkpoint holds the whole optimizer state, and a run resumed from it goes on as
-    the uninterrupted one."""
+    fully_shard, gloo). Same metrics as one process; the engine gets rank 0's gathered weights
+    (checked; engine actors with FSDP ranks: the LoRA test); a checkpoint holds the whole
+    optimizer state, and a run resumed from it goes on as the uninterrupted one."""
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics
     from tests.conftest import small_run_args
 
-    fsdp = ["--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--data-parallel", "fsdp"]
+    fsdp = ["--actor-num-gpus-per-node", "2", "--data-parallel", "fsdp"]
     fsdp += ["--check-weight-update-equal", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
     train(load_config(small_run_args(tmp_path / "fsdp", 1) + fsdp))
     train(load_config(small_run_args(tmp_path / "fsdp", 2) + fsdp + ["--load", str(tmp_path / "ckpt")]))
@@ -205,9 +194,11 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path, local_
 
 def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     """--sync-transport broadcast: rank 0 of 2 ranks broadcasts buckets over a weight-update
-    group to every engine process (one engine split over 2 tensor-parallel processes; one rank to
-    2 engines: the async test below). Same run as one process, engines equal to the trainer after
-    every sync, and each sync sends the model once to each engine process."""
+    group to every engine process (one engine split over 2 tensor-parallel processes,
+    --rollout-num-gpus-per-engine 2; one rank to 2 engines: the async test below). Same run as
+    one process; --check-weight-update-equal reassembles the engine's halves and compares them
+    with the trainer's weights after every sync; each sync sends the model once to each engine
+    process."""
     from miles.config import load_config
     from miles.runtime.loop import train
     from miles.runtime.metrics import read_metrics

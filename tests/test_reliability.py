@@ -133,7 +133,7 @@ def test_a_run_whose_reward_hangs_on_a_fifth_learns_and_exits(tmp_path):
     """The default task with a reward that hangs on ~20% of calls: every rollout loses just
     those samples, held-out accuracy still rises, and the process exits by itself."""
     args = [
-        "--config", str(ROOT / "miles" / "assets" / "default_train.yaml"), "--num-rollout", "12",
+        "--config", str(ROOT / "miles" / "assets" / "default_train.yaml"), "--num-rollout", "8",
         "--rollout-batch-size", "16", "--eval-size", "100", "--eval-interval", "0", "--reward-timeout", "0.2", "--reward-num-workers", "8",
         "--custom-rm-path", hanging_reward(tmp_path), "--output-dir", str(tmp_path / "run"),
         "--no-progress",
@@ -144,7 +144,7 @@ def test_a_run_whose_reward_hangs_on_a_fifth_learns_and_exits(tmp_path):
     print(f"hung-reward run: {time.monotonic() - t0:.1f} s")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["rollout"] >= 0]
-    assert len(steps) == 12
+    assert len(steps) == 8
     for r in steps:  # about a fifth fail in every rollout, never all of them
         assert 0.05 < r["reward_failed"] / 128 < 0.4, r["reward_failed"]
     evals = [r["eval_accuracy"] for r in records if "eval_accuracy" in r]

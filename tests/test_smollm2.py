@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch
 import transformers
 
 from miles.models import load_tokenizer
-from miles.models.gguf import from_hf_model, smollm2_gguf_path
+from miles.models.checkpoint import load_model
+from miles.models.gguf import gguf_checkpoint, smollm2_gguf_path
 from tests.conftest import greedy
 
 
 @pytest.fixture(scope="module")
 def smol():
-    path = smollm2_gguf_path()
-    with contextlib.redirect_stderr(io.StringIO()):
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
-    return from_hf_model(hf, str(path)).eval(), load_tokenizer(path), hf  # one read of the GGUF file
+    """(ours, tokenizer, transformers' model): transformers reads the GGUF file once (its
+    dequantization; miles keeps that conversion in the user cache, so a session reads the file
+    at most once), then runs its own Llama on the same weights as the oracle."""
+    checkpoint = gguf_checkpoint(smollm2_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return load_model(checkpoint).eval(), load_tokenizer(checkpoint), hf
 
 
 def test_smollm2_logits_on_chat_prompt_match_transformers(smol):
@@ -83,6 +81,7 @@ def test_gguf_is_converted_once_then_loaded_from_the_cache(smol, tmp_path, monke
     first = gguf.gguf_checkpoint(smollm2_gguf_path())
     digest = hashlib.sha256(smollm2_gguf_path().read_bytes()).hexdigest()
     assert first.parent == tmp_path / "gguf" and first.name.endswith(digest[:16])
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # written aside, renamed in
     cached, tok = registry.load("smollm2")
     assert len(conversions) == 1  # registry.load found the cache
     ids = torch.tensor([tok("The capital of France is").input_ids])

@@ -14,6 +14,7 @@ import hashlib
 import io
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -59,13 +60,23 @@ def gguf_checkpoint(path: str | Path) -> Path:
         return cached
     log.info("converting %s once into %s (later loads read it from there)", path.name, cached)
     model, tokenizer = load_gguf(path), load_tokenizer(path)
+    # written beside and renamed into place: processes converting at once (engine actors on a
+    # fresh machine) never read a half-written copy
+    staging = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
     try:
-        save_model(model, cached, tokenizer=tokenizer, max_shard_bytes=2**62)
+        save_model(model, staging, tokenizer=tokenizer, max_shard_bytes=2**62)
+        try:
+            staging.rename(cached)
+        except OSError:  # another process finished first: its copy is the same
+            if not (cached / SINGLE_FILE).exists():
+                raise
     except OSError as e:
         log.warning(
             "cannot cache the converted %s in %s (%s); loading it from the GGUF file", path.name, cached, e
         )
         return path
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return cached
 
 
