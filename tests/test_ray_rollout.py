@@ -165,10 +165,10 @@ def test_killed_rank_of_a_tensor_parallel_engine_restarts_the_engine(ray_cluster
     )
     new = random_model("qwen3_moe", seed=4)
     manager.update_weights(new.state_dict().items(), version=2)
-    want = Engine(new, max_batch_size=4, max_seq_len=512).generate(requests_for(8, 200))
+    want = Engine(new, max_batch_size=4, max_seq_len=512).generate(requests_for(8, 120))
     for restarts, victim in enumerate((1, 0), start=1):
         old_pids = ray.get([a.pid.remote() for a in manager.actors])
-        samples = generate_killing(manager, requests_for(8, 200), victim=victim, after_s=0.5)
+        samples = generate_killing(manager, requests_for(8, 120), victim=victim, after_s=0.5)
         assert manager.restarts == restarts
         assert not set(ray.get([a.pid.remote() for a in manager.actors])) & set(old_pids)  # both ranks new
         assert len(samples) == 8 and all(s.weight_versions == [2] for s in samples)
