@@ -524,6 +524,5 @@ class RolloutManager:
         """Each sample's response text, decoded from its tokens as an in-process engine does."""
         if self.tokenizer is not None:
             for s in samples:
-                new = s.tokens[len(s.tokens) - s.response_length :]
-                s.response = self.tokenizer.decode(new, skip_special_tokens=True)
+                s.response = self.tokenizer.decode(s.response_tokens, skip_special_tokens=True)
         return samples
