@@ -11,7 +11,9 @@ Drafts: eagle (an EAGLE head trained first, as online training would, on the pol
 samples of other prompts of the same kind: `--eagle-prompts` prompts x 4, `--eagle-epochs`
 passes), auto (the policy's first layers) and ngram (continuations of recent matches).
 `--sweep`: the lookahead k = 1..8 at batch 1. Speculation is forced at every batch here (no
-adaptive choice) to show where it pays.
+adaptive choice) to show where it pays. The cost columns say why: a draft token's time and a
+verification's time, both per policy step of plain decoding at the same batch; speculation pays
+when tokens per pass exceed verify + k x draft (plus the acceptance rule's own time).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 
 import torch
 
+from miles.config.schema import SpeculativeSection
 from miles.models import registry
 from miles.models.eagle import EagleHead
 from miles.rollout import Engine, Request, SamplingParams
@@ -41,14 +44,14 @@ def requests_for(tokenizer, batch: int, new_tokens: int, first: int = 0) -> list
     return [Request(ids[i % prompts], params) for i in range(batch)]
 
 
-def trained_eagle(policy, tokenizer, prompts: int, epochs: int, new_tokens: int) -> EagleHead:
+def trained_eagle(policy, tokenizer, prompts: int, epochs: int, new_tokens: int, vocab: int) -> EagleHead:
     """An EAGLE head trained on the policy's samples of prompts the benchmark does not use."""
-    head = EagleHead.for_policy(policy, draft_vocab=8192)
+    head = EagleHead.for_policy(policy, draft_vocab=vocab)
     collect = Speculator(EagleDraft(copy.deepcopy(head), record_features=True), 4, max_batch=0)  # plain steps
-    engine = Engine(policy, tokenizer, max_batch_size=16, max_seq_len=512, seed=1, speculator=collect)
+    engine = Engine(policy, tokenizer, max_batch_size=32, max_seq_len=512, seed=1, speculator=collect)
     t0 = time.perf_counter()
     samples = engine.generate(requests_for(tokenizer, 4 * prompts, new_tokens, first=1000), progress=True)
-    trainer = EagleTrainer(head, lambda: policy)
+    trainer = EagleTrainer(head, lambda: policy, replay_windows=0)  # each call here is a whole pass
     for epoch in range(epochs):
         loss = trainer.train(samples)["draft_sft_loss"]
         print(f"  eagle epoch {epoch + 1}/{epochs}: loss {loss:.3f}", flush=True)
@@ -57,7 +60,7 @@ def trained_eagle(policy, tokenizer, prompts: int, epochs: int, new_tokens: int)
     return trainer.served()
 
 
-def run_once(policy, tokenizer, batch, new_tokens, draft=None, k=4):
+def run_once(policy, tokenizer, batch, new_tokens, draft=None, k=3):
     slots = max(batch, 1)
     spec = None
     if draft == "ngram":
@@ -70,26 +73,34 @@ def run_once(policy, tokenizer, batch, new_tokens, draft=None, k=4):
     engine.generate(requests_for(tokenizer, min(batch, 2), 4))  # warm-up
     if spec is not None:
         spec.take_stats()
+    engine.take_times()
     t0 = time.perf_counter()
     samples = engine.generate(requests_for(tokenizer, max(batch, 4), new_tokens))
     seconds = time.perf_counter() - t0
     tokens = sum(s.response_length for s in samples)
     stats = spec.take_stats() if spec is not None else None
-    return tokens / seconds, stats
+    steps = engine.take_times().decode_steps
+    return tokens / seconds, stats, seconds / max(steps, 1)
 
 
-def describe(stats) -> str:
+def describe(stats, plain_step: float) -> str:
+    """Acceptance by position, tokens per pass, and a draft token's and a verification's time in
+    plain steps."""
     if stats is None or not stats.rows:
-        return ""
+        return " | | |"
     by_position = " ".join(f"{a / max(c, 1):.2f}" for a, c in zip(stats.at_position, stats.offered))
-    return f"{by_position} | {stats.emitted / stats.rows:.2f}"
+    draft = stats.draft_seconds / max(stats.passes * stats.k, 1) / plain_step
+    verify = stats.verify_seconds / max(stats.passes, 1) / plain_step
+    return f"{by_position} | {stats.emitted / stats.rows:.2f} | {draft:.2f} | {verify:.2f}"
 
 
 def run(name: str, batches: list[int], new_tokens: int, draft_layers: int, sweep: bool, args) -> None:
     policy, tokenizer = registry.load(name)
     policy.eval()
     print(f"\n{name}: training the EAGLE head")
-    eagle = trained_eagle(policy, tokenizer, args.eagle_prompts, args.eagle_epochs, new_tokens)
+    eagle = trained_eagle(
+        policy, tokenizer, args.eagle_prompts, args.eagle_epochs, new_tokens, args.draft_vocab
+    )
     drafts = {"eagle": eagle, "auto": auto_draft(policy, draft_layers), "ngram": "ngram"}
     share = parameter_count(drafts["auto"]) / parameter_count(policy)
     eagle_share = parameter_count(eagle) / parameter_count(policy)
@@ -98,15 +109,17 @@ def run(name: str, batches: list[int], new_tokens: int, draft_layers: int, sweep
         f"eagle head {eagle_share:.1%}, {len(eagle.vocab)} draft tokens\n"
     )
     print(
-        "| batch | draft | plain tok/s | speculative tok/s | speedup | acceptance by position | tokens per pass |"
+        f"| batch | draft | plain tok/s | speculative tok/s (k={args.lookahead}) | speedup | acceptance by position "
+        "| tokens per pass | draft token / plain step | verification / plain step |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
-        plain, _ = run_once(policy, tokenizer, batch, new_tokens)
+        plain, _, step = run_once(policy, tokenizer, batch, new_tokens)
         for label, draft in drafts.items():
-            speed, stats = run_once(policy, tokenizer, batch, new_tokens, draft)
+            speed, stats, _ = run_once(policy, tokenizer, batch, new_tokens, draft, args.lookahead)
             print(
-                f"| {batch} | {label} | {plain:.0f} | {speed:.0f} | {speed / plain:.2f}x | {describe(stats)} |"
+                f"| {batch} | {label} | {plain:.0f} | {speed:.0f} | {speed / plain:.2f}x | {describe(stats, step)} |",
+                flush=True,
             )
     if not sweep:
         return
@@ -116,7 +129,7 @@ def run(name: str, batches: list[int], new_tokens: int, draft_layers: int, sweep
     for k in range(1, 9):
         cells = []
         for draft in drafts.values():
-            speed, stats = run_once(policy, tokenizer, 1, new_tokens, draft, k)
+            speed, stats, _ = run_once(policy, tokenizer, 1, new_tokens, draft, k)
             cells.append(f"{speed:.0f} | {stats.emitted / max(stats.rows, 1):.2f}")
         print(f"| {k} | {' | '.join(cells)} |")
 
@@ -128,9 +141,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,8", help="concurrent requests, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="also the lookahead sweep k = 1..8 at batch 1")
     parser.add_argument(
-        "--eagle-prompts", type=int, default=32, help="prompts (x 4 samples) the EAGLE head trains on"
+        "--eagle-prompts", type=int, default=128, help="prompts (x 4 samples) the EAGLE head trains on"
     )
-    parser.add_argument("--eagle-epochs", type=int, default=5, help="passes of the EAGLE head over them")
+    parser.add_argument("--eagle-epochs", type=int, default=4, help="passes of the EAGLE head over them")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=SpeculativeSection().draft_vocab_size,
+        help="the EAGLE head's vocabulary (as --draft-vocab-size)",
+    )
+    parser.add_argument("--lookahead", type=int, default=3, help="draft tokens per policy pass (k)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     batches = [int(b) for b in args.batches.split(",")]

@@ -112,7 +112,7 @@ def test_help_explains_without_figures():
         (["--draft-model", "auto", "--draft-ema-decay", "0.99"], "act on a draft trained online"),
         (["--draft-model", "ngram", "--draft-layers", "2"], "--draft-layers sizes --draft-model auto"),
         (
-            ["--draft-model", "auto", "--draft-vocab-size", "4096"],
+            ["--draft-model", "auto", "--draft-vocab-size", "2048"],
             "--draft-vocab-size sizes --draft-model eagle",
         ),
         (

@@ -101,7 +101,7 @@ def eagle(tiny):
         Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True))
         for p in _prompts(tokenizer, 12) * 4
     )
-    trainer = EagleTrainer(head, lambda: policy, lr=3e-3, micro_batch=4)
+    trainer = EagleTrainer(head, lambda: policy, lr=3e-3, micro_batch=4, replay_windows=0)
     for _ in range(4):
         trainer.train(samples)
     return head, trainer.served(), samples
@@ -282,13 +282,19 @@ def test_doctor_names_drift_and_a_draft_too_slow_for_its_acceptance(tmp_path):
     assert not {"spec_drift", "spec_slow"} & {f.check for f in diagnose(load_run(tmp_path))}
 
 
-def test_adaptive_speculation_takes_the_faster_way_per_batch_size_and_reexplores():
+def test_adaptive_speculation_takes_the_fastest_lookahead_per_batch_size_and_reexplores():
     spec = Speculator(NgramDraft(), 4, max_batch=16, adaptive=True, explore=4)
-    assert not spec.choose(17)  # above the cap: plain
-    assert spec.choose(8)  # nothing measured yet: speculate first
-    spec.record(8, True, tokens=8, seconds=1.0)
-    assert not spec.choose(8)  # then plain, to compare
-    spec.record(8, False, tokens=24, seconds=1.0)  # plain is three times faster at this size
+    assert spec.choose(17) == 0  # above the cap: plain
+    speed = {0: 25, 1: 20, 2: 30, 3: 12, 4: 8}  # lookahead 2 is the fastest at this size
+    first = []
+    for _ in range(5):
+        first.append(spec.choose(8))
+        spec.record(8, first[-1], tokens=speed[first[-1]], seconds=1.0)
+    assert first == [4, 3, 2, 1, 0]  # each lookahead measured once, plain last
     picks = [spec.choose(8) for _ in range(8)]
-    assert picks.count(True) == 2 and picks.count(False) == 6  # the slower way re-tried every 4th step
-    assert spec.choose(1)  # another bucket is measured on its own
+    assert picks.count(2) == 6  # the others re-tried every 4th step, one after another
+    assert len({k for k in picks if k != 2}) == 2
+    spec.record(8, 2, tokens=1, seconds=1.0)  # lookahead 2 turns slow (0.8 * 30 + 0.2 * 1 < 25)
+    assert spec.choose(8) == 0
+    assert spec.choose(1) == 4  # another bucket is measured on its own
+    assert Speculator(NgramDraft(), 4, max_batch=16).choose(8) == 4  # not adaptive: always k

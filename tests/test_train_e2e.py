@@ -284,7 +284,7 @@ def test_default_job_settings_run_on_a_dense_model(tmp_path):
     [
         ["--async-weight-sync"],
         ["--partial-rollout", "--over-sampling-batch-size", "6", "--rollout-max-response-len", "12"],
-        ["--draft-model", "auto", "--online-sft-interval", "1", "--no-spec-adaptive"],  # adaptive: by timing
+        ["--draft-model", "eagle", "--online-sft-interval", "1", "--no-spec-adaptive"],  # adaptive: by timing
         [
             "--async-weight-sync",
             "--partial-rollout",
@@ -299,7 +299,7 @@ def test_default_job_settings_run_on_a_dense_model(tmp_path):
 def test_resume_continues_each_mode_as_if_never_stopped(tmp_path, mode):
     """Stopped after rollout 1 and resumed, a run equals the uninterrupted one: the checkpoint
     holds the rollout running ahead (async), the partial groups carried over, and the online
-    draft's weights, optimizer and pending rollouts."""
+    draft's weights, optimizer, pending and replayed rollouts."""
     import shutil
 
     n = 3

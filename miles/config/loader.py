@@ -409,7 +409,7 @@ def validate_speculative(cfg: RunConfig) -> None:
     turns off a draft the YAML set up, with the settings that go with it."""
     if cfg.speculative.draft_model == "none":
         cfg.speculative = SpeculativeSection()
-    spec = cfg.speculative
+    spec, default = cfg.speculative, SpeculativeSection()
     given = [
         flag
         for flag, value in (
@@ -417,10 +417,10 @@ def validate_speculative(cfg: RunConfig) -> None:
             ("--draft-ema-decay", spec.draft_ema_decay is not None),
             ("--reinit-draft-interval", spec.reinit_draft_interval),
             ("--profile-speculative", spec.profile_speculative),
-            ("--draft-layers", spec.draft_layers != 1),
-            ("--spec-lookahead", spec.spec_lookahead != 5),
-            ("--draft-lr", spec.draft_lr != 1e-3),
-            ("--draft-vocab-size", spec.draft_vocab_size != 8192),
+            ("--draft-layers", spec.draft_layers != default.draft_layers),
+            ("--spec-lookahead", spec.spec_lookahead != default.spec_lookahead),
+            ("--draft-lr", spec.draft_lr != default.draft_lr),
+            ("--draft-vocab-size", spec.draft_vocab_size != default.draft_vocab_size),
         )
         if value
     ]
@@ -442,9 +442,9 @@ def validate_speculative(cfg: RunConfig) -> None:
             "--draft-model with --rollout-num-gpus-per-engine > 1: a draft for a tensor-parallel engine is not built "
             "yet; use one device per engine"
         )
-    if spec.draft_layers != 1 and spec.draft_model != "auto":
+    if spec.draft_layers != default.draft_layers and spec.draft_model != "auto":
         raise ConfigError("--draft-layers sizes --draft-model auto; remove it or use --draft-model auto")
-    if spec.draft_vocab_size != 8192 and spec.draft_model != "eagle":
+    if spec.draft_vocab_size != default.draft_vocab_size and spec.draft_model != "eagle":
         raise ConfigError(
             "--draft-vocab-size sizes --draft-model eagle; remove it or use --draft-model eagle"
         )

@@ -739,12 +739,16 @@ class SpeculativeSection:
         1, "with --draft-model auto: how many of the policy's blocks the draft keeps", bounds="[1, inf)"
     )
     draft_vocab_size: int = option(
-        8192,
+        4096,
         "with --draft-model eagle: the draft proposes only the policy's N most sampled tokens (reading all "
         "of lm_head per draft token costs a large share of a policy pass); 0: the whole vocabulary",
         bounds="[0, inf)",
     )
-    spec_lookahead: int = option(5, "draft tokens proposed per policy pass (k)", bounds="[1, inf)")
+    spec_lookahead: int = option(
+        5,
+        "draft tokens proposed per policy pass (k); with --spec-adaptive the most it proposes",
+        bounds="[1, inf)",
+    )
     spec_max_batch_size: int = option(
         16,
         "speculation runs while at most this many requests decode; above it one policy pass per token is "
@@ -753,8 +757,9 @@ class SpeculativeSection:
     )
     spec_adaptive: bool = option(
         True,
-        "below --spec-max-batch-size, measure tokens/s of speculative and plain decoding steps per batch size "
-        "and take the faster (re-trying the other every 16th step); --no-spec-adaptive speculates on every step",
+        "below --spec-max-batch-size, measure tokens/s per batch size of plain steps and of lookaheads 1, 2, 3 "
+        "and k, and decode with the fastest (re-trying the others every 16th step); --no-spec-adaptive "
+        "speculates k tokens on every step",
     )
     online_sft_interval: int = option(
         0,

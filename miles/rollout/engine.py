@@ -464,10 +464,11 @@ class Engine:
             return self._decode_plain()
         batch, timer = len(self._running), Timer()
         room = min(self.max_seq_len - s.length for s in self._running.values())
-        speculative = room >= 1 and spec.choose(batch)
+        lookahead = min(spec.choose(batch), room)
+        speculative = lookahead >= 1
         before = sum(len(s.response) for s in self._running.values())
         if speculative:
-            finished = self._decode_speculative(min(spec.k, room))
+            finished = self._decode_speculative(lookahead)
         else:
             spec.stats.plain_steps += 1
             finished = self._decode_plain()
@@ -479,7 +480,7 @@ class Engine:
             self.times.decode_seconds += elapsed
             self.times.decode_steps += 1
             self.times.decode_tokens += after - before
-        spec.record(batch, speculative, after - before, elapsed)
+        spec.record(batch, lookahead, after - before, elapsed)
         return finished
 
     def _decode_speculative(self, k: int) -> list[Sample]:

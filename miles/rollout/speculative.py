@@ -166,15 +166,21 @@ class Timer:
         return elapsed
 
 
+def lookahead_arms(k: int) -> list[int]:
+    """The lookaheads adaptive speculation measures: 0 (a plain step), 1, 2, 3 and k."""
+    return sorted({0, *range(1, min(k, 3) + 1), k})
+
+
 class Speculator:
     """What an engine needs to decode speculatively: the draft, the lookahead k, the batch size above
     which speculation is off, and the counts behind the spec_* metrics.
 
-    `adaptive`: below that cap, the engine also measures tokens per second of speculative and of
-    plain steps, per batch-size bucket (1, 2, 3-4, 5-8, ...), and takes the faster; every
-    `explore`-th step of a bucket tries the other way again (the draft may have improved, or the
-    batch mix changed). Either way of decoding samples exactly from the policy, so the choice
-    changes speed only.
+    `adaptive`: below that cap, the engine measures tokens per second per batch-size bucket (1, 2,
+    3-4, 5-8, ...) for each lookahead of `lookahead_arms(k)`, 0 being a plain step, and decodes with
+    the fastest: a verification's cost grows with the tokens it checks (on a CPU from a few rows
+    on), so the best lookahead shrinks as the batch grows, and acceptance moves as the draft
+    trains. Every `explore`-th step of a bucket re-tries one of the others, in turn. Every way of
+    decoding samples exactly from the policy, so the choice changes speed only.
     """
 
     def __init__(
@@ -182,30 +188,35 @@ class Speculator:
     ) -> None:
         self.draft, self.k, self.max_batch = draft, lookahead, max_batch
         self.adaptive, self.explore = adaptive, explore
+        self.arms = lookahead_arms(lookahead)
         self.stats = SpecStats(lookahead)
-        self.rates: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> tokens/s, averaged
+        self.rates: dict[tuple[int, int], float] = {}  # (bucket, lookahead) -> tokens/s, averaged
         self.turns: dict[int, int] = {}  # decisions made per bucket
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch - 1, 0).bit_length()
 
-    def choose(self, batch: int) -> bool:
-        """Whether this decoding step of `batch` running requests should speculate."""
+    def choose(self, batch: int) -> int:
+        """The lookahead for this decoding step of `batch` running requests; 0: a plain step."""
         if batch > self.max_batch:
-            return False
+            return 0
         if not self.adaptive:
-            return True
+            return self.k
         b = self.bucket(batch)
         turn = self.turns[b] = self.turns.get(b, 0) + 1
-        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
-        if spec is None or plain is None:  # measure both first
-            return spec is None
-        faster = spec >= plain
-        return faster if turn % self.explore else not faster
+        unmeasured = [k for k in reversed(self.arms) if (b, k) not in self.rates]
+        if unmeasured:  # measure each first, the longest lookahead first
+            return unmeasured[0]
+        best = max(self.arms, key=lambda k: self.rates[(b, k)])
+        if turn % self.explore:
+            return best
+        others = [k for k in self.arms if k != best]
+        return others[(turn // self.explore) % len(others)]
 
-    def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
-        key = (self.bucket(batch), speculative)
+    def record(self, batch: int, lookahead: int, tokens: int, seconds: float) -> None:
+        """A step of `batch` requests at `lookahead` (0: plain) made `tokens` in `seconds`."""
+        key = (self.bucket(batch), lookahead)
         rate = tokens / max(seconds, 1e-9)
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else 0.8 * old + 0.2 * rate

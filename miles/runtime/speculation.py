@@ -9,6 +9,7 @@ draft trains every N steps on the rollouts of those N steps, and the engines get
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from miles.models.eagle import EagleHead
@@ -48,7 +49,9 @@ class OnlineDraft:
                 changed = True
             self.pending += samples
             if self.pending and (rollout_id + 1) % cfg.online_sft_interval == 0:
+                start = time.perf_counter()
                 metrics.update(self.trainer.train(self.pending))  # every rollout since the last time
+                metrics["draft_train_seconds"] = time.perf_counter() - start
                 self.pending = []
                 changed = True
             if changed:
@@ -58,11 +61,11 @@ class OnlineDraft:
         return metrics
 
     def state_dict(self) -> dict | None:
-        """The online draft's weights, AdamW and EMA state and the rollouts it has not trained on
-        yet (None without online training: the draft never changes)."""
+        """The online draft's weights, AdamW and EMA state, the rollouts it has not trained on yet
+        and those it will train on again (None without online training: the draft never changes)."""
         if self.trainer is None:
             return None
-        return {**_draft_state(self.trainer), "pending": self.pending}
+        return {**_draft_state(self.trainer), "pending": self.pending, "replay": self.trainer.replay}
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore the draft and serve it again (the engines started from the checkpoint's draft file)."""
@@ -73,6 +76,7 @@ class OnlineDraft:
         if self.trainer.ema is not None and state["ema"] is not None:
             self.trainer.ema.load_state_dict(state["ema"])
         self.pending = list(state["pending"])
+        self.trainer.replay = [list(window) for window in state["replay"]]
         self.rollout.update_draft(
             {k: v.detach().cpu() for k, v in self.trainer.served().state_dict().items()}
         )

@@ -6,6 +6,10 @@ the latest rollouts' response tokens (the policy's samples) at --draft-lr. --dra
 an exponential moving average of the draft's weights, and the engine serves the average;
 --reinit-draft-interval starts the draft over from the current policy every N steps. None of this
 touches the policy or its gradients.
+
+`replay_windows`: each training also passes again over the samples of that many earlier trainings,
+so a token is learned from several times while the policy has barely moved (an EAGLE head, which
+starts from nothing, needs several passes over its data; see EagleTrainer).
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ class DraftTrainer:
         ema_decay: float | None = None,
         reinit: Callable[[], Transformer] | None = None,
         micro_batch: int = 64,
+        replay_windows: int = 0,
     ) -> None:
         self.model = copy.deepcopy(draft).train()
         self.lr, self.ema_decay, self.reinit_from, self.micro_batch = lr, ema_decay, reinit, micro_batch
+        self.replay_windows = replay_windows
+        self.replay: list[list[Sample]] = []  # the samples of the last `replay_windows` trainings
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.ema = copy.deepcopy(self.model).eval() if ema_decay is not None else None
 
@@ -48,6 +55,22 @@ class DraftTrainer:
             self.ema.load_state_dict(fresh.state_dict())
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One pass over the replayed windows and then `samples`; returns draft_sft_loss (over `samples`)."""
+        older = [s for window in self.replay for s in window]
+        if self.replay_windows:
+            self.replay = [*self.replay, list(samples)][-self.replay_windows :]
+        if older:
+            self.fit(older)
+        metrics = self.fit(samples)
+        if self.ema is not None:
+            with torch.no_grad():
+                for e, p in zip(self.ema.parameters(), self.model.parameters()):
+                    e.lerp_(p.detach(), 1 - self.ema_decay)
+                for e, b in zip(self.ema.buffers(), self.model.buffers()):
+                    e.copy_(b)
+        return metrics
+
+    def fit(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One pass over `samples` (responses only are predicted); returns draft_sft_loss."""
         device = self.model.lm_head.weight.device
         total, count = 0.0, 0
@@ -76,10 +99,6 @@ class DraftTrainer:
             self.optimizer.step()
             total += loss.item() * int(chosen.sum())
             count += int(chosen.sum())
-        if self.ema is not None:
-            with torch.no_grad():
-                for e, p in zip(self.ema.parameters(), self.model.parameters()):
-                    e.lerp_(p.detach(), 1 - self.ema_decay)
         return {"draft_sft_loss": total / max(count, 1)}
 
 
@@ -90,15 +109,24 @@ class EagleTrainer(DraftTrainer):
     and predicts F[i + 1]: the loss is the cross-entropy of the head's distribution against the
     policy's own one at F[i + 1] (both over the head's vocabulary: acceptance is their overlap).
     A second, chained step feeds the prediction back, as decoding does for the draft's later
-    tokens. Small micro-batches (2 sequences): the head learns from the number of steps. The features are those the engine computed while sampling
-    (`Sample.draft_features`); a sample without them (an agent's, a partial one) gets them from a
-    forward pass of `policy()`. The policy's embedding and lm_head are read, never trained.
+    tokens. The head starts from nothing and learns from the number of steps: small micro-batches
+    (2 sequences), and each training passes again over the samples of the two before it (each
+    token is learned from three times; more passes over the same tokens gain little). The
+    features are those the engine computed while sampling (`Sample.draft_features`); a sample
+    without them (an agent's, a partial one) gets them from a forward pass of `policy()`. The
+    policy's embedding and lm_head are read, never trained.
     """
 
     def __init__(
-        self, draft, policy: Callable[[], Transformer], lr: float = 1e-3, micro_batch: int = 2, **kw
+        self,
+        draft,
+        policy: Callable[[], Transformer],
+        lr: float = 1e-3,
+        micro_batch: int = 2,
+        replay_windows: int = 2,
+        **kw,
     ) -> None:
-        super().__init__(draft, lr, micro_batch=micro_batch, **kw)
+        super().__init__(draft, lr, micro_batch=micro_batch, replay_windows=replay_windows, **kw)
         self.policy = policy
 
     @torch.no_grad()
@@ -116,13 +144,17 @@ class EagleTrainer(DraftTrainer):
         return out
 
     def train(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """Count the new samples' tokens, choose the head's vocabulary, then train as DraftTrainer."""
+        for s in samples:
+            self.model.count(torch.tensor(s.response_tokens))
+        self.model.choose_vocab()
+        return super().train(samples)
+
+    def fit(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One pass over `samples`; returns draft_sft_loss (the cross-entropy part, per prediction)."""
         head, policy = self.model, self.policy()
         embed, lm_head = policy.model.embed_tokens.weight.detach(), policy.lm_head.weight.detach()
         samples = [s for s in samples if s.response_length >= 2]
-        for s in samples:
-            head.count(torch.tensor(s.response_tokens))
-        head.choose_vocab()
         rows = lm_head[head.vocab.to(lm_head.device)]
         total, count = 0.0, 0
         for start in range(0, len(samples), self.micro_batch):
@@ -132,12 +164,6 @@ class EagleTrainer(DraftTrainer):
             loss.backward()
             self.optimizer.step()
             total, count = total + ce_sum, count + ce_count
-        if self.ema is not None:
-            with torch.no_grad():
-                for e, p in zip(self.ema.parameters(), self.model.parameters()):
-                    e.lerp_(p.detach(), 1 - self.ema_decay)
-                self.ema.vocab.copy_(head.vocab)
-                self.ema.counts.copy_(head.counts)
         return {"draft_sft_loss": total / max(count, 1)}
 
     def _chunk_loss(self, head, policy, chunk, embed, rows, chained: int = 2):
