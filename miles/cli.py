@@ -93,10 +93,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise MilesError(f"--port {args.port}: a TCP port is 0-65535 (0: any free port)")
     cfg = engine_config(args, spec_max_batch_size="rollout_max_batch_size")
-    if cfg.speculative.draft_model == "eagle":
+    if cfg.speculative.draft_model == "eagle" and not cfg.speculative.eagle_head:
         raise MilesError(
             "miles serve --draft-model eagle: an EAGLE head starts untrained and learns during miles train "
-            "(--online-sft-interval); serve with --draft-model ngram, auto or a draft checkpoint path"
+            "(--online-sft-interval); serve one trained by miles draft (--eagle-head FILE), or --draft-model ngram, auto "
+            "or a draft checkpoint path"
         )
     model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings
@@ -192,6 +193,36 @@ def cmd_eval(args: argparse.Namespace, rest: list[str]) -> int:
         out = Path(cfg.logging.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return 0
+
+
+def cmd_draft(args: argparse.Namespace, rest: list[str]) -> int:
+    """Train an EAGLE head on the policy's samples of the run's prompts (see --help)."""
+    import json
+
+    from miles.config import load_config
+    from miles.runtime.draft_pretrain import pretrain_eagle
+
+    own = argparse.ArgumentParser(prog="miles draft", add_help=False)
+    own.add_argument("--out", type=Path)
+    own.add_argument("--draft-prompts", type=number(int, 2), default=256)
+    own.add_argument("--draft-epochs", type=number(int, 1), default=4)
+    args, rest = own.parse_known_args(rest)
+    if "--help" in rest or "-h" in rest:
+        print(
+            "usage: miles draft --out FILE [--draft-prompts N] [--draft-epochs N] [--config FILE] [miles train "
+            "flags]\n\nTrain an EAGLE draft head before a run: sample N of the run's prompts (default 256) as "
+            "its rollouts would, train the head --draft-epochs passes (default 4) on the policy's own tokens and "
+            "hidden states, save it to --out and print the held-out acceptance. Start a run from it with "
+            "--draft-model eagle --eagle-head FILE. Every other flag is miles train's: see miles train --help."
+        )
+        return 0
+    if args.out is None:
+        raise MilesError("miles draft needs --out FILE: where to save the trained head")
+    cfg = load_config(default_job_argv(rest))
+    metrics = pretrain_eagle(cfg, args.out, args.draft_prompts, args.draft_epochs)
+    print(json.dumps(metrics, indent=1))
+    print(f"miles draft: head saved to {args.out}; use it with --draft-model eagle --eagle-head {args.out}")
     return 0
 
 
@@ -307,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flags(
         serve,
         ["model", "rollout_max_batch_size", "rollout_seed", "rollout_decode_step"]
-        + ["draft_model", "draft_layers", "spec_lookahead"],
+        + ["draft_model", "draft_layers", "eagle_head", "spec_lookahead"],
         rollout_max_batch_size=64,
     )
     serve.set_defaults(func=cmd_serve)
@@ -316,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="RL post-training (GRPO); no arguments = the embedded default job",
         description="RL post-training. All flags: miles train --help",
+        add_help=False,
+    )
+
+    sub.add_parser(
+        "draft",
+        help="train an EAGLE draft head on the policy's own samples, to start speculative rollout from",
+        description="Train a speculative draft head before a run. Flags: miles draft --help",
         add_help=False,
     )
 
@@ -425,9 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("INFO")  # warnings and errors of every command reach the terminal
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "eval"):  # their flags are miles train's (miles.config)
+    if argv and argv[0] in ("train", "eval", "draft"):  # their flags are miles train's (miles.config)
+        command = {"train": cmd_train, "eval": cmd_eval, "draft": cmd_draft}[argv[0]]
         try:
-            return (cmd_train if argv[0] == "train" else cmd_eval)(None, argv[1:])
+            return command(None, argv[1:])
         except MilesError as e:
             print(f"miles {argv[0]}: error: {e}", file=sys.stderr)
             return 2

@@ -138,6 +138,37 @@ def test_a_verification_of_several_tokens_a_row_equals_the_general_forward(arch,
         assert torch.equal(got.routed_experts, want.routed_experts)
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_a_step_over_some_slots_equals_those_rows_of_a_full_step(width):
+    """The tail of a rollout: rows left in slots 1 and 4 of 5. Both steps, given those slots, give
+    those rows' logits, hidden states and cache writes as a step over every slot does; the fused
+    step leaves the other slots' cache as it was (it reads and writes only the rows it runs)."""
+    from miles.rollout.steps.general import GeneralStep
+
+    model = random_model("qwen3_moe", seed=5)
+    slots, max_len = 5, 24
+    ids = torch.randint(
+        0, model.config.vocab_size, (slots, width), generator=torch.Generator().manual_seed(3)
+    )
+    positions = torch.tensor([4, 9, 2, 15, 6])[:, None] + torch.arange(width)
+    full_cache = filled_cache(model, slots, max_len, 0)
+    with torch.no_grad():
+        full = model(ids, positions=positions, cache=full_cache, cache_rows=slice(0, slots))
+    busy = torch.tensor([1, 4])
+    untouched = filled_cache(model, slots, max_len, 0)
+    for step in (FusedStep(model, threads=2), GeneralStep(model)):
+        cache = filled_cache(model, slots, max_len, 0)
+        got = step.decode(ids[busy], positions[busy], cache, busy)
+        assert torch.allclose(got.logits, full.logits[busy], atol=2e-5, rtol=1e-5)
+        assert torch.allclose(got.hidden, full.hidden[busy], atol=2e-5, rtol=1e-5)
+        assert torch.equal(got.routed_experts, full.routed_experts[busy])
+        for a, b in zip(cache.keys + cache.values, full_cache.keys + full_cache.values):
+            assert torch.allclose(a[busy], b[busy], atol=1e-5)
+        if step.name == "fused":
+            for a, b in zip(cache.keys + cache.values, untouched.keys + untouched.values):
+                assert torch.equal(a[[0, 2, 3]], b[[0, 2, 3]])
+
+
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "llama"])
 def test_a_prefill_equals_the_general_forwards(arch, split):

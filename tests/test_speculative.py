@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from miles.models.eagle import EagleHead, draft_logits
+from miles.models.eagle import EagleHead
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.drafts import EagleDraft, ModelDraft, NgramDraft, auto_draft
 from miles.rollout.speculative import Speculator, accept, best_lookahead, draw, expected_tokens_per_pass
@@ -177,28 +177,33 @@ def test_eagle_features_are_the_states_each_token_was_sampled_from(tiny, eagle):
 
 
 def test_online_training_raises_the_eagle_drafts_acceptance(tiny, eagle):
-    """Expected first-proposal acceptance, sum_x min(p, q) at temperature 1 against the policy's
-    exact next distribution, on the engine's own samples: the trained head well above the
-    untrained one; the head reads the policy's lm_head, not a copy (its state is its own block)."""
+    """Expected first-proposal acceptance (EagleTrainer.acceptance, checked against the engine in
+    the next test) on the engine's own samples: the trained head well above the untrained one;
+    the head reads the policy's lm_head, not a copy (its state is its own block)."""
     policy, _ = tiny
     untrained, trained, samples = eagle
-
-    @torch.no_grad()
-    def acceptance(head) -> float:
-        embed, total, count = policy.model.embed_tokens.weight, 0.0, 0
-        for s in samples:
-            f, x = torch.from_numpy(s.draft_features).float(), torch.tensor(s.response_tokens)
-            p = policy.lm_head(f[1:]).softmax(-1)
-            q = torch.zeros_like(p)
-            q[:, head.vocab] = draft_logits(
-                head(embed[x[:-1]], f[:-1]), policy.lm_head.weight[head.vocab]
-            ).softmax(-1)
-            total, count = total + float(torch.minimum(p, q).sum()), count + len(p)
-        return total / count
-
-    before, after = acceptance(untrained), acceptance(trained)
+    before = EagleTrainer(untrained, lambda: policy).acceptance(samples, 1.0)
+    after = EagleTrainer(trained, lambda: policy).acceptance(samples, 1.0)
     assert after > before + 0.15, (before, after)
     assert not any("embed" in k or "lm_head" in k for k in trained.state_dict())
+
+
+def test_expected_acceptance_is_what_the_engine_measures(tiny, eagle):
+    """Exact speculative sampling accepts a proposal with probability sum_x min(p, q): the
+    head's expected acceptance at the first position, computed on the engine's own samples,
+    within sampling noise of the acceptance the engine counted while making them (k = 1,
+    temperature 1, a few thousand proposals)."""
+    policy, tokenizer = tiny
+    engine = _engine(policy, tokenizer, eagle[1], k=1, slots=64)
+    samples = engine.generate(
+        Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True))
+        for p in _prompts(tokenizer, 12) * 16
+    )
+    stats = engine.speculator.stats
+    measured = stats.at_position[0] / stats.offered[0]
+    expected = EagleTrainer(eagle[1], lambda: policy).acceptance(samples, 1.0)
+    assert stats.offered[0] > 2000
+    assert abs(measured - expected) < 0.03, (measured, expected)
 
 
 def test_a_run_with_an_online_draft_logs_acceptance_and_the_doctor_reads_it(tmp_path):
@@ -298,3 +303,43 @@ def test_adaptive_speculation_takes_the_fastest_lookahead_per_batch_size_and_ree
     assert spec.choose(8) == 0
     assert spec.choose(1) == 4  # another bucket is measured on its own
     assert Speculator(NgramDraft(), 4, max_batch=16).choose(8) == 4  # not adaptive: always k
+
+
+def test_miles_draft_trains_a_head_that_a_run_starts_from(tmp_path, capsys):
+    """`miles draft` on the default job's policy and prompts: the saved head's held-out
+    acceptance well above the untrained one's; --eagle-head gives the run's draft exactly the
+    saved weights; a missing file, a foreign file, a head for another policy and --eagle-head
+    without --draft-model eagle are clear errors."""
+    import json
+    import re
+
+    from miles.cli import main
+    from miles.config import load_config
+    from miles.errors import ConfigError
+    from miles.models import registry
+    from miles.models.eagle import load_head
+    from miles.rollout.drafts import load_draft
+    from tests.conftest import random_model, small_run_args
+
+    head_file = tmp_path / "head.pt"
+    run = small_run_args(tmp_path / "run", 1)
+    assert main(["draft", "--out", str(head_file), "--draft-prompts", "32", "--draft-epochs", "3", *run]) == 0
+    report = json.loads(re.search(r"^\{.*?^\}", capsys.readouterr().out, re.S | re.M).group(0))
+    assert report["held_out_acceptance"] > report["held_out_acceptance_before"] + 0.1, report
+
+    cfg = load_config([*run, "--draft-model", "eagle", "--eagle-head", str(head_file)])
+    policy, _ = registry.load(cfg.model.model)
+    draft = load_draft(cfg.speculative, policy, "cpu")
+    saved = torch.load(head_file, weights_only=True)["state"]
+    assert all(torch.equal(v, saved[k]) for k, v in draft.state_dict().items())
+
+    with pytest.raises(ConfigError, match="no such file; write one with `miles draft"):
+        load_head(tmp_path / "missing.pt", policy)
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
+    with pytest.raises(ConfigError, match="not a head written by `miles draft`"):
+        load_head(tmp_path / "foreign.pt", policy)
+    other = random_model("llama", vocab_size=policy.config.vocab_size + 8)
+    with pytest.raises(ConfigError, match="this policy has hidden"):
+        load_head(head_file, other)
+    with pytest.raises(ConfigError, match="--eagle-head starts --draft-model eagle"):
+        load_config([*run, "--draft-model", "auto", "--eagle-head", str(head_file)])

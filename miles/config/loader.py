@@ -421,6 +421,7 @@ def validate_speculative(cfg: RunConfig) -> None:
             ("--spec-lookahead", spec.spec_lookahead != default.spec_lookahead),
             ("--draft-lr", spec.draft_lr != default.draft_lr),
             ("--draft-vocab-size", spec.draft_vocab_size != default.draft_vocab_size),
+            ("--eagle-head", spec.eagle_head is not None),
         )
         if value
     ]
@@ -447,6 +448,13 @@ def validate_speculative(cfg: RunConfig) -> None:
     if spec.draft_vocab_size != default.draft_vocab_size and spec.draft_model != "eagle":
         raise ConfigError(
             "--draft-vocab-size sizes --draft-model eagle; remove it or use --draft-model eagle"
+        )
+    if spec.eagle_head is not None and spec.draft_model != "eagle":
+        raise ConfigError("--eagle-head starts --draft-model eagle; remove it or use --draft-model eagle")
+    if spec.eagle_head is not None and spec.draft_vocab_size != default.draft_vocab_size:
+        raise ConfigError(
+            "--draft-vocab-size with --eagle-head: the saved head keeps the vocabulary it was trained with; "
+            "remove --draft-vocab-size (or set it when running miles draft)"
         )
     if (spec.draft_ema_decay is not None or spec.reinit_draft_interval) and not spec.online_sft_interval:
         raise ConfigError(

@@ -744,6 +744,11 @@ class SpeculativeSection:
         "of lm_head per draft token costs a large share of a policy pass); 0: the whole vocabulary",
         bounds="[0, inf)",
     )
+    eagle_head: str | None = option(
+        None,
+        "with --draft-model eagle: start from a head saved by `miles draft` (trained on the policy's own "
+        "samples of the run's prompts) instead of an untrained one, so speculation pays from the first rollout",
+    )
     spec_lookahead: int = option(
         5,
         "draft tokens proposed per policy pass (k); with --spec-adaptive the most it proposes",

@@ -847,6 +847,14 @@ def spec_low_acceptance(run: RunRecord, compare: RunRecord | None):
         return None
     evidence = [Evidence("spec_accept_rate", rate, None, THRESHOLDS["spec_accept"], note="median over steps")]
     remedies = _draft_training_remedies(run)
+    if run.setting("speculative.draft_model") == "eagle" and not run.setting("speculative.eagle_head"):
+        remedies.append(
+            Remedy(
+                [],
+                "start from a trained head: `miles draft --config <this run's config.yaml> --out head.pt`, then "
+                "--eagle-head head.pt (an untrained head needs tens of thousands of tokens to predict well)",
+            )
+        )
     k = run.setting("speculative.spec_lookahead", 5)
     if k > 3:
         remedies.append(

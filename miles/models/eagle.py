@@ -11,14 +11,20 @@ policy's parameters). lm_head is read on the `vocab` rows only, the tokens the p
 most often: a draft that reads all of a large vocabulary would cost a fifth of a policy pass per
 token (EAGLE-3 and FR-Spec shrink the draft's vocabulary the same way). `counts` keeps how often
 each token was sampled in the rollouts the head trained on; `choose_vocab` ranks by them.
+
+`save_head` / `load_head`: a head trained before a run (`miles draft`) and started from with
+--eagle-head, so speculation pays from the first rollout instead of after online training.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from miles.errors import ConfigError
 from miles.models.linear import default_linear
 from miles.models.transformer import MLP, RMSNorm, Transformer
 
@@ -67,3 +73,37 @@ class EagleHead(nn.Module):
 def draft_logits(h: torch.Tensor, lm_head_rows: torch.Tensor) -> torch.Tensor:
     """Logits over the head's vocabulary: h (..., hidden) against lm_head's rows for it (V', hidden)."""
     return F.linear(h, lm_head_rows).float()
+
+
+HEAD_FORMAT = "miles-eagle-head-1"
+
+
+def save_head(head: EagleHead, path: str | Path, policy: str) -> None:
+    """Write `head` (trained for the policy named `policy`) where --eagle-head can read it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu() for k, v in head.state_dict().items()}
+    torch.save({"format": HEAD_FORMAT, "policy": policy, "state": state}, path)
+
+
+def load_head(path: str | Path, policy: Transformer, flag: str = "--eagle-head") -> EagleHead:
+    """The head saved at `path`, for `policy` (its sizes checked against the policy's)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path}: no such file; write one with `miles draft --out {path}`")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file
+        raise ConfigError(f"{flag} {path}: not a saved EAGLE head ({error})") from error
+    if not isinstance(saved, dict) or saved.get("format") != HEAD_FORMAT:
+        raise ConfigError(f"{flag} {path}: not a head written by `miles draft` (format {HEAD_FORMAT})")
+    state, cfg = saved["state"], policy.config
+    hidden, vocab = state["fc.weight"].shape[0], state["counts"].shape[0]
+    if (hidden, vocab) != (cfg.hidden_size, cfg.vocab_size):
+        raise ConfigError(
+            f"{flag} {path}: a head for {saved['policy']} (hidden {hidden}, vocabulary {vocab}); this policy has "
+            f"hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}. Train one for it with `miles draft`"
+        )
+    head = EagleHead.for_policy(policy, draft_vocab=state["vocab"].shape[0])
+    head.load_state_dict(state)
+    return head

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from miles.errors import ConfigError, MilesError
-from miles.models.eagle import EagleHead, draft_logits
+from miles.models.eagle import EagleHead, draft_logits, load_head
 from miles.models.transformer import Transformer
 from miles.rollout.speculative import draw, sampling_probs
 from miles.rollout.steps import DecodeStep, choose_step
@@ -254,6 +254,8 @@ def load_draft(spec_cfg, policy: Transformer, device) -> Transformer | None:
     if spec_cfg.draft_model == "ngram":
         return None
     if spec_cfg.draft_model == "eagle":
+        if spec_cfg.eagle_head:
+            return load_head(spec_cfg.eagle_head, policy).to(device)
         return EagleHead.for_policy(policy, spec_cfg.draft_vocab_size).to(device)
     if spec_cfg.draft_model == "auto":
         draft = auto_draft(policy, spec_cfg.draft_layers)

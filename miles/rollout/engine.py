@@ -499,22 +499,18 @@ class Engine:
         proposed = [list(map(int, row)) for row in proposed]
         spec.stats.draft_seconds += timer.lap()
         width = max(len(row) for row in proposed) + 1
-        span = states[-1].slot + 1
-        ids = torch.zeros(span, width, dtype=torch.long)
-        positions = torch.arange(width).repeat(span, 1)  # free slots: a dummy at positions 0..k
-        busy = torch.tensor([s.slot for s in states])
-        for s, row in zip(states, proposed):
-            ids[s.slot, : len(row) + 1] = torch.tensor([s.response[-1], *row])
-            positions[s.slot] = torch.arange(s.length - 1, s.length - 1 + width)
-        out = self._forward_slots(ids, positions)
-        logits = out.logits[busy.to(self.device)]
+        ids = torch.zeros(len(states), width, dtype=torch.long)
+        positions = torch.zeros(len(states), width, dtype=torch.long)
+        for b, (s, row) in enumerate(zip(states, proposed)):
+            ids[b, : len(row) + 1] = torch.tensor([s.response[-1], *row])
+            positions[b] = torch.arange(s.length - 1, s.length - 1 + width)
+        out = self._forward_slots(ids, positions, states)
+        logits = out.logits
         p = sampling_probs(logits, temperature, top_k, top_p).cpu()
         logp = scale_by_temperature(logits, temperature)[0].log_softmax(-1).cpu()  # as plain decoding records
         q = q.cpu() if q is not None else None
-        routed = (
-            out.routed_experts[busy.to(self.device)].to(torch.int32).cpu().numpy() if self.is_moe else None
-        )
-        hidden = None if out.hidden is None else out.hidden[busy.to(self.device)]
+        routed = out.routed_experts.to(torch.int32).cpu().numpy() if self.is_moe else None
+        hidden = out.hidden
         spec.stats.verify_seconds += timer.lap()
         spec.stats.passes += 1
         finished = []
@@ -534,39 +530,29 @@ class Engine:
         return finished
 
     def _decode_plain(self) -> list[Sample]:
-        """One token for every running request, over the slot range [0, highest busy slot].
-
-        Free slots inside the range run a dummy token at position 0 (harmless: a new request's
-        prefill rewrites it); the range is a view of the cache, which beats gathering rows.
-        """
+        """One token for every running request, each over its own cache slot."""
         states = sorted(self._running.values(), key=lambda s: s.slot)
-        span = states[-1].slot + 1
-        last = torch.tensor([[s.response[-1]] for s in states])
-        at = torch.tensor([[s.length - 1] for s in states])
-        if span == len(states):  # every slot of the range busy (the common case): no scatter
-            ids, positions, busy = last, at, slice(None)
-        else:
-            ids = torch.zeros(span, 1, dtype=torch.long)
-            positions = torch.zeros(span, 1, dtype=torch.long)
-            busy = torch.tensor([s.slot for s in states])
-            ids[busy], positions[busy] = last, at
-            busy = busy.to(self.device)
+        ids = torch.tensor([[s.response[-1]] for s in states])
+        positions = torch.tensor([[s.length - 1] for s in states])
         timer = Timer()
-        out = self._forward_slots(ids, positions)
+        out = self._forward_slots(ids, positions, states)
         times = self.times
         times.decode_seconds += timer.lap()
         times.decode_steps += 1
         times.decode_tokens += len(states)
         if self.is_moe:
-            routed = out.routed_experts[busy, 0].to(torch.int32).cpu().numpy()
+            routed = out.routed_experts[:, 0].to(torch.int32).cpu().numpy()
             for b, s in enumerate(states):
                 s.routed.append(routed[b : b + 1])
-        hidden = None if out.hidden is None else out.hidden[busy, -1]
-        return self._emit(states, out.logits[busy, -1], hidden)
+        hidden = None if out.hidden is None else out.hidden[:, -1]
+        return self._emit(states, out.logits[:, -1], hidden)
 
-    def _forward_slots(self, ids: torch.Tensor, positions: torch.Tensor):
-        """The policy over cache slots [0, len(ids)): a view of the cache, which beats gathering rows."""
-        return self.decode_step.decode(ids, positions, self.cache)
+    def _forward_slots(self, ids: torch.Tensor, positions: torch.Tensor, states: list[_Running]):
+        """The policy over the rows of `states` (in slot order), each in its own cache slot."""
+        slots = None  # every slot of [0, len(states)) busy (the common case): rows are slots
+        if states[-1].slot + 1 != len(states):
+            slots = torch.tensor([s.slot for s in states])
+        return self.decode_step.decode(ids, positions, self.cache, slots)
 
     def _emit(
         self, states: list[_Running], logits: torch.Tensor, hidden: torch.Tensor | None = None

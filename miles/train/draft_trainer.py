@@ -166,6 +166,27 @@ class EagleTrainer(DraftTrainer):
             total, count = total + ce_sum, count + ce_count
         return {"draft_sft_loss": total / max(count, 1)}
 
+    @torch.no_grad()
+    def acceptance(self, samples: Sequence[Sample], temperature: float) -> float:
+        """The served head's expected acceptance at draft position 1 on `samples`: the mean over
+        response positions of sum_x min(p(x), q(x)), p the policy's and q the head's distribution
+        at `temperature` (exact speculative sampling accepts with exactly that probability)."""
+        head, policy = self.served(), self.policy()
+        embed, lm_head = policy.model.embed_tokens.weight.detach(), policy.lm_head.weight.detach()
+        rows = lm_head[head.vocab.to(lm_head.device)]
+        total, count = 0.0, 0
+        for s, f in zip(samples, self.features(policy, samples)):
+            if len(f) < 2:
+                continue
+            tokens = torch.tensor(s.response_tokens[: len(f) - 1], device=embed.device)
+            predicted = head(embed[tokens], f[:-1])
+            q = torch.zeros(len(f) - 1, lm_head.shape[0], device=embed.device)
+            q[:, head.vocab.to(q.device)] = (draft_logits(predicted, rows) / temperature).softmax(-1)
+            p = (F.linear(f[1:], lm_head).float() / temperature).softmax(-1)
+            total += float(torch.minimum(p, q).sum())
+            count += len(f) - 1
+        return total / max(count, 1)
+
     def _chunk_loss(self, head, policy, chunk, embed, rows, chained: int = 2):
         """The loss of `chained` linked predictions from every response position of `chunk`."""
         feats = self.features(policy, chunk)

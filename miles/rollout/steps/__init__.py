@@ -45,9 +45,17 @@ class DecodeStep(Protocol):
         holds (a draft model catching up, or taking one token)."""
         ...
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
-        """ids, positions (B, T): T tokens for each cache row 0..B-1 -> logits (B, T, V) and
-        routing (B, T, layers, K). T is 1 for a decode step, k + 1 for speculative verification."""
+    def decode(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """ids, positions (B, T): T tokens for each of cache rows `slots` (B,) (default 0..B-1)
+        -> logits (B, T, V) and routing (B, T, layers, K). T is 1 for a decode step, k + 1 for
+        speculative verification. `slots` lets the tail of a rollout (a few requests left in
+        high slots) cost what its rows cost."""
         ...
 
     def intact(self) -> bool:

@@ -310,17 +310,24 @@ class FusedStep:
         self._packed_versions = [p._version for p in self.sources]
 
     @torch.inference_mode()
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
-        """ids, positions (B, T) long over cache rows 0..B-1 -> logits (B, T, V) and the routing
-        record (B, T, MoE layers, K), as `Transformer.forward` returns them. T > 1 (speculative
-        verification): row b's T tokens are one sequence from positions[b, 0], causal within it."""
+    def decode(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """ids, positions (B, T) long over cache rows `slots` (default 0..B-1) -> logits (B, T, V)
+        and the routing record (B, T, MoE layers, K), as `Transformer.forward` returns them. T > 1
+        (speculative verification): row b's T tokens are one sequence from positions[b, 0],
+        causal within it. The step reads each row's own slot, so free slots cost nothing."""
         if ids.shape[1] != 1:
             B, T = ids.shape
             logits, routed, hidden = self.forward(
                 ids.reshape(-1),
                 positions.reshape(-1),
                 torch.arange(B + 1) * T,
-                torch.arange(B),
+                torch.arange(B) if slots is None else slots,
                 cache,
                 every_token=True,
             )
@@ -334,7 +341,10 @@ class FusedStep:
         B = ids.shape[0]
         if self._one_each is None or self._one_each[1].shape[0] != B:
             self._one_each = torch.arange(B + 1), torch.arange(B)  # starts and slots: row b, slot b
-        logits, routed, hidden = self.forward(ids, positions, *self._one_each, cache)
+        starts, default_slots = self._one_each
+        logits, routed, hidden = self.forward(
+            ids, positions, starts, default_slots if slots is None else slots, cache
+        )
         return ModelOutput(
             logits=logits[:, None],
             router_logits=[],

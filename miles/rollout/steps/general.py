@@ -39,10 +39,34 @@ class GeneralStep:
         )
 
     @torch.no_grad()
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> ModelOutput:
+    def decode(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """Over the slot range [0, highest slot]: a view of the cache beats gathering rows here.
+        Free slots inside the range run dummies at positions 0..T-1 (a new request's prefill
+        rewrites them); only the asked rows come back."""
         dev = self.device
-        return self.model(
-            ids.to(dev), positions=positions.to(dev), cache=cache, cache_rows=slice(0, len(ids))
+        if slots is None:
+            return self.model(
+                ids.to(dev), positions=positions.to(dev), cache=cache, cache_rows=slice(0, len(ids))
+            )
+        span, T = int(slots.max()) + 1, ids.shape[1]
+        all_ids = torch.zeros(span, T, dtype=torch.long)
+        all_positions = torch.arange(T).repeat(span, 1)
+        all_ids[slots], all_positions[slots] = ids, positions
+        out = self.model(
+            all_ids.to(dev), positions=all_positions.to(dev), cache=cache, cache_rows=slice(0, span)
+        )
+        rows = slots.to(dev)
+        return ModelOutput(
+            logits=out.logits[rows],
+            router_logits=[],
+            routed_experts=None if out.routed_experts is None else out.routed_experts[rows],
+            hidden=None if out.hidden is None else out.hidden[rows],
         )
 
     def intact(self) -> bool:
