@@ -213,7 +213,7 @@ def cmd_draft(args: argparse.Namespace, rest: list[str]) -> int:
             "usage: miles draft --out FILE [--draft-prompts N] [--draft-epochs N] [--config FILE] [miles train "
             "flags]\n\nTrain an EAGLE draft head before a run: sample N of the run's prompts (default 256) as "
             "its rollouts would, train the head --draft-epochs passes (default 4) on the policy's own tokens and "
-            "hidden states, save it to --out and print the held-out acceptance. Start a run from it with "
+            "hidden states, save it to --out and print its held-out acceptance by draft position. Start a run with it: "
             "--draft-model eagle --eagle-head FILE. Every other flag is miles train's: see miles train --help."
         )
         return 0

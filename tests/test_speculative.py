@@ -182,28 +182,28 @@ def test_online_training_raises_the_eagle_drafts_acceptance(tiny, eagle):
     the head reads the policy's lm_head, not a copy (its state is its own block)."""
     policy, _ = tiny
     untrained, trained, samples = eagle
-    before = EagleTrainer(untrained, lambda: policy).acceptance(samples, 1.0)
-    after = EagleTrainer(trained, lambda: policy).acceptance(samples, 1.0)
+    before = EagleTrainer(untrained, lambda: policy).acceptance(samples, 1.0, positions=1)[0]
+    after = EagleTrainer(trained, lambda: policy).acceptance(samples, 1.0, positions=1)[0]
     assert after > before + 0.15, (before, after)
     assert not any("embed" in k or "lm_head" in k for k in trained.state_dict())
 
 
 def test_expected_acceptance_is_what_the_engine_measures(tiny, eagle):
     """Exact speculative sampling accepts a proposal with probability sum_x min(p, q): the
-    head's expected acceptance at the first position, computed on the engine's own samples,
-    within sampling noise of the acceptance the engine counted while making them (k = 1,
-    temperature 1, a few thousand proposals)."""
+    head's expected acceptance at each draft position, computed on the engine's own samples,
+    within sampling noise of the acceptance the engine counted while making them (k = 2,
+    temperature 1 and top-p 0.9 for both distributions, thousands of proposals)."""
     policy, tokenizer = tiny
-    engine = _engine(policy, tokenizer, eagle[1], k=1, slots=64)
+    engine = _engine(policy, tokenizer, eagle[1], k=2, slots=64)
     samples = engine.generate(
-        Request(p, SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True))
+        Request(p, SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=24, ignore_eos=True))
         for p in _prompts(tokenizer, 12) * 16
     )
     stats = engine.speculator.stats
-    measured = stats.at_position[0] / stats.offered[0]
-    expected = EagleTrainer(eagle[1], lambda: policy).acceptance(samples, 1.0)
-    assert stats.offered[0] > 2000
-    assert abs(measured - expected) < 0.03, (measured, expected)
+    measured = [a / o for a, o in zip(stats.at_position, stats.offered)]
+    expected = EagleTrainer(eagle[1], lambda: policy).acceptance(samples, 1.0, top_p=0.9, positions=2)
+    assert stats.offered[1] > 1000
+    assert all(abs(m - e) < 0.03 for m, e in zip(measured, expected)), (measured, expected)
 
 
 def test_a_run_with_an_online_draft_logs_acceptance_and_the_doctor_reads_it(tmp_path):
@@ -288,21 +288,27 @@ def test_doctor_names_drift_and_a_draft_too_slow_for_its_acceptance(tmp_path):
 
 
 def test_adaptive_speculation_takes_the_fastest_lookahead_per_batch_size_and_reexplores():
-    spec = Speculator(NgramDraft(), 4, max_batch=16, adaptive=True, explore=4)
+    spec = Speculator(NgramDraft(), 4, max_batch=16, adaptive=True, explore=4, warmup=2, decay=0.5)
     assert spec.choose(17) == 0  # above the cap: plain
     speed = {0: 25, 1: 20, 2: 30, 3: 12, 4: 8}  # lookahead 2 is the fastest at this size
     first = []
-    for _ in range(5):
+    for _ in range(10):
         first.append(spec.choose(8))
         spec.record(8, first[-1], tokens=speed[first[-1]], seconds=1.0)
-    assert first == [4, 3, 2, 1, 0]  # each lookahead measured once, plain last
+    assert first == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0]  # each lookahead measured `warmup` times, plain last
     picks = [spec.choose(8) for _ in range(8)]
     assert picks.count(2) == 6  # the others re-tried every 4th step, one after another
     assert len({k for k in picks if k != 2}) == 2
-    spec.record(8, 2, tokens=1, seconds=1.0)  # lookahead 2 turns slow (0.8 * 30 + 0.2 * 1 < 25)
+    spec.record(8, 2, tokens=1, seconds=1.0)  # lookahead 2 turns slow
+    assert spec.rate(8, 2) == (0.5 * (0.5 * 30 + 30) + 1) / (0.5 * (0.5 * 1 + 1) + 1) < 25
     assert spec.choose(8) == 0
     assert spec.choose(1) == 4  # another bucket is measured on its own
     assert Speculator(NgramDraft(), 4, max_batch=16).choose(8) == 4  # not adaptive: always k
+    # a rate is tokens over seconds summed, not a mean of per-step rates (a pass's tokens vary)
+    steps = Speculator(NgramDraft(), 4, adaptive=True, decay=1.0)
+    steps.record(1, 3, tokens=4, seconds=0.2)
+    steps.record(1, 3, tokens=1, seconds=0.2)
+    assert steps.rate(1, 3) == 5 / 0.4
 
 
 def test_miles_draft_trains_a_head_that_a_run_starts_from(tmp_path, capsys):

@@ -71,8 +71,8 @@ def accept(
             residual = (p[i] - q[i]).clamp(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: draw from p
             residual = p[i]
-        return i, int(torch.multinomial(residual, 1, generator=generator))
-    return len(proposed), int(torch.multinomial(p[len(proposed)], 1, generator=generator))
+        return i, int(draw(residual[None], [generator])[0])
+    return len(proposed), int(draw(p[len(proposed)][None], [generator])[0])
 
 
 @dataclass
@@ -179,23 +179,40 @@ class Speculator:
     3-4, 5-8, ...) for each lookahead of `lookahead_arms(k)`, 0 being a plain step, and decodes with
     the fastest: a verification's cost grows with the tokens it checks (on a CPU from a few rows
     on), so the best lookahead shrinks as the batch grows, and acceptance moves as the draft
-    trains. Every `explore`-th step of a bucket re-tries one of the others, in turn. Every way of
-    decoding samples exactly from the policy, so the choice changes speed only.
+    trains. A pass's tokens vary (1 to k + 1 per row), so each lookahead is first measured
+    `warmup` steps, and its rate is its decayed tokens over its decayed seconds (about the last
+    1 / (1 - decay) steps it ran). Every `explore`-th step of a bucket re-tries one of the others,
+    in turn. Every way of decoding samples exactly from the policy, so the choice changes speed
+    only.
     """
 
     def __init__(
-        self, draft, lookahead: int = 5, max_batch: int = 16, adaptive: bool = False, explore: int = 16
+        self,
+        draft,
+        lookahead: int = 5,
+        max_batch: int = 16,
+        adaptive: bool = False,
+        explore: int = 16,
+        warmup: int = 4,
+        decay: float = 0.95,
     ) -> None:
         self.draft, self.k, self.max_batch = draft, lookahead, max_batch
-        self.adaptive, self.explore = adaptive, explore
+        self.adaptive, self.explore, self.warmup, self.decay = adaptive, explore, warmup, decay
         self.arms = lookahead_arms(lookahead)
         self.stats = SpecStats(lookahead)
-        self.rates: dict[tuple[int, int], float] = {}  # (bucket, lookahead) -> tokens/s, averaged
+        self.measured: dict[
+            tuple[int, int], list[float]
+        ] = {}  # (bucket, lookahead) -> [tokens, seconds, steps]
         self.turns: dict[int, int] = {}  # decisions made per bucket
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(batch - 1, 0).bit_length()
+
+    def rate(self, batch: int, lookahead: int) -> float:
+        """Measured tokens per second at this batch size's bucket and lookahead (0: unmeasured)."""
+        tokens, seconds, _ = self.measured.get((self.bucket(batch), lookahead), (0.0, 0.0, 0))
+        return tokens / seconds if seconds > 0 else 0.0
 
     def choose(self, batch: int) -> int:
         """The lookahead for this decoding step of `batch` running requests; 0: a plain step."""
@@ -205,10 +222,10 @@ class Speculator:
             return self.k
         b = self.bucket(batch)
         turn = self.turns[b] = self.turns.get(b, 0) + 1
-        unmeasured = [k for k in reversed(self.arms) if (b, k) not in self.rates]
+        unmeasured = [k for k in reversed(self.arms) if self.measured.get((b, k), (0, 0, 0))[2] < self.warmup]
         if unmeasured:  # measure each first, the longest lookahead first
             return unmeasured[0]
-        best = max(self.arms, key=lambda k: self.rates[(b, k)])
+        best = max(self.arms, key=lambda k: self.rate(batch, k))
         if turn % self.explore:
             return best
         others = [k for k in self.arms if k != best]
@@ -216,10 +233,8 @@ class Speculator:
 
     def record(self, batch: int, lookahead: int, tokens: int, seconds: float) -> None:
         """A step of `batch` requests at `lookahead` (0: plain) made `tokens` in `seconds`."""
-        key = (self.bucket(batch), lookahead)
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else 0.8 * old + 0.2 * rate
+        m = self.measured.setdefault((self.bucket(batch), lookahead), [0.0, 0.0, 0])
+        m[0], m[1], m[2] = self.decay * m[0] + tokens, self.decay * m[1] + seconds, m[2] + 1
 
     def take_stats(self) -> SpecStats:
         """The counts since the last call."""

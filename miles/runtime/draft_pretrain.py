@@ -8,12 +8,12 @@ first rollout, and online training keeps it matched to the policy as RL moves it
 The samples are drawn as the run's rollouts draw them (prompts, chat template, temperature,
 top-p/k, response length, samples per prompt); the engine records the policy's hidden state of
 every sampled token, which is what the head learns from. An eighth of the prompts are held out to
-report the expected acceptance at the first draft position before and after training.
+report the expected acceptance at each draft position (and the tokens per policy pass it makes
+at --spec-lookahead) before and after training.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
@@ -48,17 +48,12 @@ def pretrain_eagle(cfg: RunConfig, out: Path, prompts: int, epochs: int) -> dict
     max_seq_len = min(
         policy.config.max_position_embeddings, prompt_len + rollout.rollout_max_response_len + 1
     )
-    head = EagleHead.for_policy(policy, cfg.speculative.draft_vocab_size)
-    recorder = Speculator(
-        EagleDraft(copy.deepcopy(head), record_features=True), 1, max_batch=0
-    )  # plain steps
-    engine = Engine(
+    engine = recording_engine(
         policy,
         tokenizer,
-        max_batch_size=max(GENERATION_BATCH, rollout.rollout_max_batch_size),
-        max_seq_len=max_seq_len,
-        seed=rollout.rollout_seed,
-        speculator=recorder,
+        max(GENERATION_BATCH, rollout.rollout_max_batch_size),
+        max_seq_len,
+        rollout.rollout_seed,
         **rollout.decode_options(),
     )
     n, temperature = rollout.n_samples_per_prompt, rollout.rollout_temperature
@@ -71,18 +66,50 @@ def pretrain_eagle(cfg: RunConfig, out: Path, prompts: int, epochs: int) -> dict
     samples = engine.generate(requests, progress=True)
     generated = time.perf_counter() - start
     train, held_out = samples[: -held * n], samples[-held * n :]
-    trainer = EagleTrainer(head, lambda: policy, cfg.speculative.draft_lr, replay_windows=0)
-    before = trainer.acceptance(held_out, max(temperature, 1e-3))
+    spec = cfg.speculative
+    head = EagleHead.for_policy(policy, spec.draft_vocab_size)
+    trainer = EagleTrainer(head, lambda: policy, spec.draft_lr, replay_windows=0)
+    sampling = temperature, rollout.rollout_top_k, rollout.rollout_top_p
+    before = trainer.acceptance(held_out, *sampling, positions=spec.spec_lookahead)
     for epoch in range(epochs):
         loss = trainer.train(train)["draft_sft_loss"]  # each call is one pass over the samples
         print(f"miles draft: pass {epoch + 1}/{epochs}, loss {loss:.3f}", flush=True)
-    after = trainer.acceptance(held_out, max(temperature, 1e-3))
+    after = trainer.acceptance(held_out, *sampling, positions=spec.spec_lookahead)
     save_head(trainer.served(), out, cfg.model.model)
     return {
         "samples": len(train),
         "tokens": sum(s.response_length for s in train),
-        "held_out_acceptance_before": before,
-        "held_out_acceptance": after,
+        "held_out_acceptance_before": before[0],
+        "held_out_acceptance": after[0],
+        "held_out_acceptance_by_position": [round(a, 4) for a in after],
+        "tokens_per_pass": round(tokens_per_pass(after), 3),
         "generate_seconds": generated,
         "train_seconds": time.perf_counter() - start - generated,
     }
+
+
+def recording_engine(
+    policy, tokenizer, max_batch: int, max_seq_len: int, seed: int, **decode_options
+) -> Engine:
+    """An engine that decodes plainly and keeps each sampled token's policy feature
+    (`Sample.draft_features`): what an EAGLE head trains on."""
+    recorder = Speculator(EagleDraft(EagleHead.for_policy(policy, 1), record_features=True), 1, max_batch=0)
+    return Engine(
+        policy,
+        tokenizer,
+        max_batch_size=max_batch,
+        max_seq_len=max_seq_len,
+        seed=seed,
+        speculator=recorder,
+        **decode_options,
+    )
+
+
+def tokens_per_pass(acceptance: list[float]) -> float:
+    """Expected tokens one verification yields when position j is accepted with probability
+    acceptance[j] given the ones before it: 1 + a1 + a1 a2 + ..."""
+    total, reached = 1.0, 1.0
+    for a in acceptance:
+        reached *= a
+        total += reached
+    return total

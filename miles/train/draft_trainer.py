@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from miles.data.sample import Sample
 from miles.models.eagle import draft_logits
 from miles.models.transformer import Transformer
+from miles.rollout.speculative import sampling_probs
 
 
 class DraftTrainer:
@@ -167,25 +168,47 @@ class EagleTrainer(DraftTrainer):
         return {"draft_sft_loss": total / max(count, 1)}
 
     @torch.no_grad()
-    def acceptance(self, samples: Sequence[Sample], temperature: float) -> float:
-        """The served head's expected acceptance at draft position 1 on `samples`: the mean over
-        response positions of sum_x min(p(x), q(x)), p the policy's and q the head's distribution
-        at `temperature` (exact speculative sampling accepts with exactly that probability)."""
+    def acceptance(
+        self,
+        samples: Sequence[Sample],
+        temperature: float,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        positions: int = 3,
+    ) -> list[float]:
+        """The served head's expected acceptance at draft positions 1..`positions` on `samples`.
+
+        At each, the mean over response positions of sum_x min(p(x), q(x)), p the policy's and q
+        the head's sampling distribution (temperature, top-k, top-p; exact speculative sampling
+        accepts with exactly that probability). Position j > 1 feeds the head its own predicted
+        feature and the recorded tokens, as decoding chains them, so it is the acceptance given
+        the positions before it were accepted."""
         head, policy = self.served(), self.policy()
         embed, lm_head = policy.model.embed_tokens.weight.detach(), policy.lm_head.weight.detach()
-        rows = lm_head[head.vocab.to(lm_head.device)]
-        total, count = 0.0, 0
+        vocab = head.vocab.to(lm_head.device)
+        rows = lm_head[vocab]
+
+        def sampled(logits: torch.Tensor) -> torch.Tensor:  # (n, V) logits -> the distribution drawn from
+            n = len(logits)
+            params = (
+                torch.full((n,), float(temperature)),
+                torch.full((n,), top_k),
+                torch.full((n,), float(top_p)),
+            )
+            return sampling_probs(logits[:, None], *params)[:, 0]
+
+        total, count = [0.0] * positions, [0] * positions
         for s, f in zip(samples, self.features(policy, samples)):
-            if len(f) < 2:
-                continue
-            tokens = torch.tensor(s.response_tokens[: len(f) - 1], device=embed.device)
-            predicted = head(embed[tokens], f[:-1])
-            q = torch.zeros(len(f) - 1, lm_head.shape[0], device=embed.device)
-            q[:, head.vocab.to(q.device)] = (draft_logits(predicted, rows) / temperature).softmax(-1)
-            p = (F.linear(f[1:], lm_head).float() / temperature).softmax(-1)
-            total += float(torch.minimum(p, q).sum())
-            count += len(f) - 1
-        return total / max(count, 1)
+            tokens, feature = torch.tensor(s.response_tokens, device=embed.device), f[:-1]
+            for j in range(min(positions, len(f) - 1)):
+                n = len(f) - 1 - j  # (feature i + j, token i + j) -> the policy's feature i + j + 1
+                feature = head(embed[tokens[j : j + n]], feature[:n])
+                q = torch.zeros(n, lm_head.shape[0], device=embed.device)
+                q[:, vocab] = sampled(draft_logits(feature, rows))
+                p = sampled(F.linear(f[j + 1 :], lm_head).float())
+                total[j] += float(torch.minimum(p, q).sum())
+                count[j] += n
+        return [t / max(c, 1) for t, c in zip(total, count)]
 
     def _chunk_loss(self, head, policy, chunk, embed, rows, chained: int = 2):
         """The loss of `chained` linked predictions from every response position of `chunk`."""
