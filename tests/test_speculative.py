@@ -325,6 +325,7 @@ def test_miles_draft_trains_a_head_that_a_run_starts_from(tmp_path, capsys):
     from miles.models import registry
     from miles.models.eagle import load_head
     from miles.rollout.drafts import load_draft
+    from miles.rollout.speculative import tokens_per_pass_by_position
     from tests.conftest import random_model, small_run_args
 
     head_file = tmp_path / "head.pt"
@@ -332,6 +333,9 @@ def test_miles_draft_trains_a_head_that_a_run_starts_from(tmp_path, capsys):
     assert main(["draft", "--out", str(head_file), "--draft-prompts", "32", "--draft-epochs", "3", *run]) == 0
     report = json.loads(re.search(r"^\{.*?^\}", capsys.readouterr().out, re.S | re.M).group(0))
     assert report["held_out_acceptance"] > report["held_out_acceptance_before"] + 0.1, report
+    by_position = report["held_out_acceptance_by_position"]
+    assert by_position[0] == pytest.approx(report["held_out_acceptance"], abs=1e-4)
+    assert report["tokens_per_pass"] == pytest.approx(tokens_per_pass_by_position(by_position), abs=2e-3)
 
     cfg = load_config([*run, "--draft-model", "eagle", "--eagle-head", str(head_file)])
     policy, _ = registry.load(cfg.model.model)

@@ -147,6 +147,16 @@ def expected_tokens_per_pass(a: float, k: int) -> float:
     return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
 
+def tokens_per_pass_by_position(acceptance: list[float]) -> float:
+    """Expected tokens one verification yields when position j is accepted with probability
+    acceptance[j] given the ones before it: 1 + a1 + a1 a2 + ..."""
+    total, reached = 1.0, 1.0
+    for a in acceptance:
+        reached *= a
+        total += reached
+    return total
+
+
 def best_lookahead(a: float, draft_seconds_per_token: float, verify_seconds: float, k_max: int = 8) -> int:
     """The lookahead that maximises expected tokens per second, for a measured acceptance and costs."""
     rate = {

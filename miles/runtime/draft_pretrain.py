@@ -26,7 +26,7 @@ from miles.models.tokenizer import encode_prompt
 from miles.rollout import Engine
 from miles.rollout.drafts import EagleDraft
 from miles.rollout.groups import group_requests
-from miles.rollout.speculative import Speculator
+from miles.rollout.speculative import Speculator, tokens_per_pass_by_position
 from miles.train.draft_trainer import EagleTrainer
 
 GENERATION_BATCH = 32  # requests decoding at once while collecting samples (speed only)
@@ -82,7 +82,7 @@ def pretrain_eagle(cfg: RunConfig, out: Path, prompts: int, epochs: int) -> dict
         "held_out_acceptance_before": before[0],
         "held_out_acceptance": after[0],
         "held_out_acceptance_by_position": [round(a, 4) for a in after],
-        "tokens_per_pass": round(tokens_per_pass(after), 3),
+        "tokens_per_pass": round(tokens_per_pass_by_position(after), 3),
         "generate_seconds": generated,
         "train_seconds": time.perf_counter() - start - generated,
     }
@@ -103,13 +103,3 @@ def recording_engine(
         speculator=recorder,
         **decode_options,
     )
-
-
-def tokens_per_pass(acceptance: list[float]) -> float:
-    """Expected tokens one verification yields when position j is accepted with probability
-    acceptance[j] given the ones before it: 1 + a1 + a1 a2 + ..."""
-    total, reached = 1.0, 1.0
-    for a in acceptance:
-        reached *= a
-        total += reached
-    return total
