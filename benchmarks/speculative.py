@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/speculative.py --only tiny --sweep
 
 The workload is the tail of an RL rollout: 16 requests (4 prompts x 4 samples, so a prompt's
-samples resemble each other) decoding 128 tokens each at temperature 0.7, 1, 4 or 8 at a time. For each model, batch and draft, tokens/s with
-speculation against without, the acceptance at each draft position and tokens per policy pass.
+samples resemble each other) decoding 128 tokens each at temperature 0.7, 1, 4 or 8 at a time.
+For each model, batch and draft, tokens/s with speculation against without, the acceptance at
+each draft position and tokens per policy pass.
 Drafts: eagle (an EAGLE head trained first, as `miles draft` trains one, on the policy's own
 samples of other prompts of the same kind: `--eagle-prompts` prompts x 4, `--eagle-epochs`
 passes; or the head saved at `--eagle-head`), auto (the policy's first layers) and ngram
@@ -36,6 +37,7 @@ from miles.runtime.draft_pretrain import recording_engine
 from miles.train.draft_trainer import EagleTrainer
 
 REQUESTS = 16  # measured per row of the table: 4 prompts x 4 samples
+TEMPERATURE = 0.7
 
 
 def requests_for(tokenizer, batch: int, new_tokens: int, first: int = 0) -> list[Request]:
@@ -45,7 +47,7 @@ def requests_for(tokenizer, batch: int, new_tokens: int, first: int = 0) -> list
         for i in range(first, first + prompts)
     ]
     ids = [tokenizer.encode(t) for t in texts]
-    params = SamplingParams(temperature=0.7, max_new_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=new_tokens, ignore_eos=True)
     return [Request(ids[i % prompts], params) for i in range(batch)]
 
 
@@ -65,7 +67,7 @@ def trained_eagle(name: str, policy, tokenizer, args, new_tokens: int) -> EagleH
     for epoch in range(args.eagle_epochs):
         loss = trainer.train(samples)["draft_sft_loss"]  # each call is a whole pass
         print(f"  eagle pass {epoch + 1}/{args.eagle_epochs}: loss {loss:.3f}", flush=True)
-    accepted = trainer.acceptance(held, 0.7, positions=args.lookahead)
+    accepted = trainer.acceptance(held, TEMPERATURE, positions=args.lookahead)
     tokens = sum(s.response_length for s in samples)
     print(
         f"  eagle head trained on {tokens} tokens in {time.perf_counter() - t0:.0f} s; expected acceptance "
@@ -165,7 +167,8 @@ def main() -> None:
     parser.add_argument("--eagle-epochs", type=int, default=4, help="passes of the EAGLE head over them")
     parser.add_argument(
         "--eagle-head",
-        help="an EAGLE head saved by `miles draft --out FILE` (SmolLM2 only), not trained here",
+        help="SmolLM2's EAGLE head: loaded from this file when it exists (written by `miles draft --out FILE` "
+        "or an earlier run of this benchmark), else trained here and saved to it",
     )
     parser.add_argument(
         "--draft-vocab",

@@ -144,7 +144,7 @@ class SpecStats:
 
 def expected_tokens_per_pass(a: float, k: int) -> float:
     """(1 - a^(k+1)) / (1 - a): tokens one verify pass yields with per-token acceptance a."""
-    return k + 1.0 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens_per_pass_by_position([a] * k)
 
 
 def tokens_per_pass_by_position(acceptance: list[float]) -> float:
