@@ -43,8 +43,9 @@ def gemm_error_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 )
 def test_the_steps_gemm_is_a_correct_fp32_product(rows, inner, out, seed):
     """Every row and column remainder of the register-blocked kernel (rows in 4s and in chunks of
-    128, outputs in panels of 64, a last panel's in 16s then one by one) on the weight packed in
-    panels, against the fp64 product, within the rounding bound; the bias added."""
+    128, outputs in panels of 64, a last panel's in 16s then one by one, the panel's rows in runs)
+    on the weight packed in panels, against the fp64 product, within the rounding bound; the bias
+    added; each row's bits the same as that row's product alone."""
     gen = torch.Generator().manual_seed(seed)
     a, b, bias = (
         torch.randn(rows, inner, generator=gen),
@@ -57,6 +58,10 @@ def test_the_steps_gemm_is_a_correct_fp32_product(rows, inner, out, seed):
     lib.miles_fused_gemm(
         rows, inner, out, a.data_ptr(), packed.data_ptr(), bias.data_ptr(), with_bias.data_ptr()
     )
+    alone = torch.empty(rows, out)  # each row by itself: one row block, no runs of KC rows of the panel
+    for i in range(rows):
+        lib.miles_fused_gemm(1, inner, out, a[i].data_ptr(), packed.data_ptr(), None, alone[i].data_ptr())
+    assert torch.equal(got, alone)
     exact = a.double() @ b.double()
     bound = gemm_error_bound(a, b)
     assert ((got.double() - exact).abs() <= bound).all()

@@ -128,17 +128,21 @@ constexpr int64_t GW = sizeof(vg) / sizeof(float), PER_UNIT = W / GW;  // floats
 // stalls the loads of a weight streamed from memory, and the hardware prefetcher alone falls
 // behind (without it, 4 rows of a decode step cost ~1.4x one row on SmolLM2; with it ~1.05x).
 constexpr int64_t PREFETCH_AHEAD = 32;
-// C[MR x NV*16] = A[MR x K] @ B[K x NV*16] (row strides lda, ldb, ldc)
+// C[MR x NV*16] (+)= A[MR x K] @ B[K x NV*16] (row strides lda, ldb, ldc); `add`: onto C's
+// partial sums (a later run of k: the same sum in the same order as one run over all k).
+// `ahead`: `lines` cache lines from there are requested over the K steps (see panel()).
 template <int MR, int NV>
 inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
-                  int64_t ldc) {
+                  int64_t ldc, bool add = false, const float *ahead = nullptr, int64_t lines = 0) {
   constexpr int V = NV * PER_UNIT;
+  const int64_t per_step = (lines + K - 1) / K;
   vg c[MR][V];
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < V; j++) c[i][j] = vg{};
+    for (int j = 0; j < V; j++) c[i][j] = add ? *reinterpret_cast<const vgu *>(C + i * ldc + j * GW) : vg{};
   for (int64_t k = 0; k < K; k++) {
     vg b[V];
     for (int j = 0; j < NV; j++) __builtin_prefetch(B + (k + PREFETCH_AHEAD) * ldb + j * W, 0, 3);
+    for (int64_t l = 0; l < per_step && lines > 0; l++, lines--, ahead += W) __builtin_prefetch(ahead, 0, 3);
     for (int j = 0; j < V; j++) b[j] = *reinterpret_cast<const vgu *>(B + k * ldb + j * GW);
     for (int i = 0; i < MR; i++) {
       const float a = A[i * lda + k];
@@ -149,28 +153,47 @@ inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_
     for (int j = 0; j < V; j++) *reinterpret_cast<vgu *>(C + i * ldc + j * GW) = c[i][j];
 }
 
+constexpr int64_t PANEL = 64;  // columns of a packed weight panel
+// Rows of a panel that every row block works through while they are in L1 (KC x PANEL floats).
+constexpr int64_t KC = 64;
+
 // C[R x NV*16] = A[R x K] @ B[K x NV*16] (B's row stride ldb): one column panel (in strips of
-// MAX_NV units), its rows in blocks of 4 (the panel stays in cache while every row block
-// streams through it)
+// MAX_NV units), its rows in blocks of 4. With more than one row block the panel is worked in
+// runs of KC of its rows: the first row block streams a run from memory, the others read it
+// from L1 and meanwhile request the following run (or `next`, the first of the next panel's),
+// so memory streams weights while every row block computes (one block per panel pass instead:
+// memory idles while the later blocks compute, and 16 rows of a decode step cost ~1.3x 8).
 template <int NV>
-inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t ldb, float *C, int64_t ldc) {
+inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t ldb, float *C, int64_t ldc,
+                  const float *next = nullptr, int64_t next_floats = 0) {
   if constexpr (NV > MAX_NV) {
-    panel<MAX_NV>(R, K, A, B, ldb, C, ldc);
+    panel<MAX_NV>(R, K, A, B, ldb, C, ldc, next, next_floats);
     panel<NV - MAX_NV>(R, K, A, B + MAX_NV * W, ldb, C + MAX_NV * W, ldc);
   } else {
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) block<4, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc);
-    switch (R - r) {
-      case 3: block<3, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
-      case 2: block<2, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
-      case 1: block<1, NV>(K, A + r * K, K, B, ldb, C + r * ldc, ldc); break;
-      default: break;
+    const int64_t blocks = (R + 3) / 4, run = blocks > 1 ? KC : K;
+    for (int64_t k0 = 0; k0 < K; k0 += run) {
+      const int64_t kc = std::min(run, K - k0);
+      const float *follow = k0 + kc < K ? B + (k0 + kc) * ldb : next;
+      const int64_t follow_lines =
+          (k0 + kc < K ? std::min(run, K - k0 - kc) * ldb : std::min(next_floats, KC * PANEL)) / W;
+      const float *a = A + k0, *b = B + k0 * ldb;
+      for (int64_t j = 0, r = 0; r < R; j++, r += 4) {  // row block j takes its share of the requests
+        const int64_t first = j == 0 ? 0 : follow_lines * (j - 1) / (blocks - 1);
+        const int64_t lines = j == 0 ? 0 : follow_lines * j / (blocks - 1) - first;
+        const float *ahead = follow ? follow + first * W : nullptr;
+        switch (std::min<int64_t>(R - r, 4)) {
+          case 4: block<4, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
+          case 3: block<3, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
+          case 2: block<2, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
+          case 1: block<1, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
+          default: break;
+        }
+      }
     }
   }
 }
 
 constexpr int64_t ROW_CHUNK = 128;  // rows per pass over B: that many rows of A stay in L2
-constexpr int64_t PANEL = 64;       // columns of a packed weight panel
 
 // Panels [p0, p1) of C[R x N] = A[R x K] @ B (+ bias). B is the (in, out) weight packed in column
 // panels: panel p, columns [64p, min(64p + 64, N)), lies contiguous as K rows of its width, so
@@ -185,11 +208,13 @@ void gemm_range(int64_t R, int64_t K, int64_t N, const float *A, const float *B,
     for (int64_t p = p0; p < p1; p++) {
       const int64_t n = p * PANEL, width = std::min(PANEL, N - n), full = width / W * W;
       const float *b = B + K * n;
+      const float *next = p + 1 < p1 ? b + K * width : nullptr;
+      const int64_t next_floats = next ? K * std::min(PANEL, N - n - width) : 0;
       switch (full / W) {
-        case 4: panel<4>(rows, K, a, b, width, c + n, N); break;
-        case 3: panel<3>(rows, K, a, b, width, c + n, N); break;
-        case 2: panel<2>(rows, K, a, b, width, c + n, N); break;
-        case 1: panel<1>(rows, K, a, b, width, c + n, N); break;
+        case 4: panel<4>(rows, K, a, b, width, c + n, N, next, next_floats); break;
+        case 3: panel<3>(rows, K, a, b, width, c + n, N, next, next_floats); break;
+        case 2: panel<2>(rows, K, a, b, width, c + n, N, next, next_floats); break;
+        case 1: panel<1>(rows, K, a, b, width, c + n, N, next, next_floats); break;
         default: break;
       }
       for (int64_t i = 0; i < rows; i++)  // the panel's last width % 16 outputs

@@ -47,7 +47,10 @@ from miles.models.transformer import ModelOutput, MoE, Transformer
 log = logging.getLogger("miles")
 
 SOURCE = Path(__file__).with_name("fused.cpp")
-WIDE_BELOW = 16  # tokens a thread below which the threads share each product (one read of each weight)
+# Tokens a thread below which the threads share each product (one read of each weight) rather
+# than split the rows: weights streamed from memory (more than STREAMED bytes) are worth sharing
+# up to more tokens than weights that stay in cache, where sharing costs a barrier a product.
+WIDE_BELOW, WIDE_BELOW_STREAMED, STREAMED = 16, 32, 64 * 1024**2
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -213,19 +216,22 @@ class PackedLinear:
 class FusedStep:
     """The `DecodeStep` of one C++ call (`fused.cpp`) a prefill or a one-token step.
     `threads`: default torch's; `wide_below`: tokens a thread under which the threads share each
-    product rather than split the rows."""
+    product rather than split the rows (default by the weights' size, see WIDE_BELOW)."""
 
     name = "fused"
 
-    def __init__(self, model: Transformer, threads: int | None = None, wide_below: int = WIDE_BELOW) -> None:
+    def __init__(self, model: Transformer, threads: int | None = None, wide_below: int | None = None) -> None:
         reason = fused_unsupported(model)
         if reason is not None:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
         self.lib = library()
         self.model, cfg = model, model.config
         self.threads = threads or torch.get_num_threads()
-        self.wide_below = wide_below
         self.sources = list(model.parameters())
+        if wide_below is None:
+            streamed = sum(p.numel() * p.element_size() for p in self.sources) > STREAMED
+            wide_below = WIDE_BELOW_STREAMED if streamed else WIDE_BELOW
+        self.wide_below = wide_below
         self._packed_versions: list[int] | None = None
         self._pointers = [p.data_ptr() for p in self.sources]
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
