@@ -12,7 +12,15 @@ import torch
 from miles.models.eagle import EagleHead
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.drafts import EagleDraft, ModelDraft, NgramDraft, auto_draft
-from miles.rollout.speculative import Speculator, accept, best_lookahead, draw, expected_tokens_per_pass
+from miles.rollout.speculative import (
+    Speculator,
+    accept,
+    best_lookahead,
+    draw,
+    expected_tokens_per_pass,
+    sampling_probs,
+    verify_probs,
+)
 from miles.train.draft_trainer import EagleTrainer
 from tests.conftest import response_logprobs
 
@@ -31,12 +39,26 @@ def test_acceptance_rule_samples_exactly_from_p(draft):
         "bad": torch.tensor([[0.7, 0.02, 0.02, 0.02, 0.02, 0.22]]),
         "disjoint": torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]),  # never proposes most tokens
     }[draft]
-    first = torch.zeros(V)
-    for _ in range(n):
-        x = int(torch.multinomial(q[0], 1, generator=gen))
-        accepted, following = accept([x], q, p, gen)
-        first[x if accepted else following] += 1
+    proposals = torch.multinomial(q[0], n, replacement=True, generator=gen).tolist()
+    generators = [torch.Generator().manual_seed(i) for i in range(n)]
+    decided = accept([[x] for x in proposals], q.expand(n, 1, V), p.expand(n, 2, V), generators)
+    first = torch.bincount(
+        torch.tensor([x if accepted else following for x, (accepted, following) in zip(proposals, decided)]),
+        minlength=V,
+    )
     assert _tv(first / n, p[0]) <= 0.01
+
+
+def test_verify_probs_are_the_sampling_distribution_and_the_recorded_log_probs():
+    """One softmax for both where it can: against sampling_probs and the log-softmax of the scaled
+    logits, for sampled rows, and with a greedy or top-k row in the batch (the separate path)."""
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, top_k in (([0.7, 1.0, 1.3], [0, 0, 0]), ([0.7, 0.0, 1.3], [0, 0, 5])):
+        temperature, top_k, top_p = torch.tensor(temperature), torch.tensor(top_k), torch.ones(3)
+        p, logp = verify_probs(logits, temperature, top_k, top_p)
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+        torch.testing.assert_close(logp, scaled.log_softmax(-1))
+        torch.testing.assert_close(p, sampling_probs(logits, temperature, top_k, top_p), rtol=1e-5, atol=1e-7)
 
 
 def test_draw_samples_each_row_from_its_own_distribution():

@@ -30,8 +30,8 @@ from miles.data.sample import Sample, Status
 from miles.diagnostics.memory import weight_memory
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
-from miles.rollout.sampling import Sampler, SamplingParams, scale_by_temperature
-from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, sampling_probs
+from miles.rollout.sampling import Sampler, SamplingParams
+from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, verify_probs
 from miles.rollout.steps import DecodeStep, choose_step
 from miles.rollout.weights import apply_named_tensors, served_weights
 
@@ -506,17 +506,15 @@ class Engine:
             positions[b] = torch.arange(s.length - 1, s.length - 1 + width)
         out = self._forward_slots(ids, positions, states)
         logits = out.logits
-        p = sampling_probs(logits, temperature, top_k, top_p).cpu()
-        logp = scale_by_temperature(logits, temperature)[0].log_softmax(-1).cpu()  # as plain decoding records
+        p, logp = (t.cpu() for t in verify_probs(logits, temperature, top_k, top_p))
         q = q.cpu() if q is not None else None
         routed = out.routed_experts.to(torch.int32).cpu().numpy() if self.is_moe else None
         hidden = out.hidden
         spec.stats.verify_seconds += timer.lap()
         spec.stats.passes += 1
         finished = []
-        for b, (s, row) in enumerate(zip(states, proposed)):
-            qb = None if q is None else q[b, : len(row)]  # None: certain proposals (n-gram)
-            n, following = accept(row, qb, p[b, : len(row) + 1], s.generator)
+        decided = accept(proposed, q, p, generators)  # q None: certain proposals (n-gram)
+        for b, (s, row, (n, following)) in enumerate(zip(states, proposed, decided)):
             spec.stats.record(len(row), n)
             self.draft.keep(s.slot, s.length + min(n, len(row) - 1))
             if routed is not None:  # the policy's routing of every fed token that was kept

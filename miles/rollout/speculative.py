@@ -39,40 +39,71 @@ def sampling_probs(
     return probs
 
 
+def verify_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p, logp) for a verify pass's logits (B, T, V): p as `sampling_probs`, logp the log-softmax
+    of the temperature-scaled logits that plain decoding records. One softmax serves both when no
+    row is greedy or filtered (an RL rollout's usual case)."""
+    scaled, greedy = scale_by_temperature(logits, temperature)
+    logp = scaled.log_softmax(-1)
+    if bool(greedy.any()) or bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        return sampling_probs(logits, temperature, top_k, top_p), logp
+    return logp.exp(), logp
+
+
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row of probs (B, V), row b with generator b, by inverting the CDF at one
     uniform: exact, and a fraction of torch.multinomial's cost per call at a few rows."""
     cdf = probs.float().cpu().cumsum(-1)
     u = torch.stack([torch.rand((), generator=g) for g in generators]) * cdf[:, -1]
     picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # first index whose cdf exceeds u
-    last = (
-        probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1).cpu()
-    )  # u rounded up to the total
-    return torch.minimum(picked, last)
+    over = picked >= probs.shape[-1]  # u rounded up to the total: the last token of nonzero mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs[over].cpu().flip(-1) > 0).to(torch.int8).argmax(-1)
+        picked[over] = last
+    return picked
 
 
 def accept(
-    proposed: Sequence[int],
-    q: torch.Tensor | None,  # (k, V) the draft's distributions the proposals were drawn from; None: certain
-    p: torch.Tensor,  # (k + 1, V) the policy's at the same positions, and one more
-    generator: torch.Generator,
-) -> tuple[int, int]:
-    """(how many proposals are accepted, the token that follows them) by exact speculative sampling.
-    A certain proposal (q one-hot at x, as an n-gram draft makes) needs no q: max(0, p - q) is p
-    with x's mass removed."""
-    for i, x in enumerate(proposed):
-        px, qx = float(p[i, x]), 1.0 if q is None else float(q[i, x])
-        if qx > 0 and float(torch.rand((), generator=generator)) * qx < px:
-            continue
+    proposed: Sequence[Sequence[int]],
+    q: torch.Tensor
+    | None,  # (B, k, V) the draft's distributions the proposals were drawn from; None: certain
+    p: torch.Tensor,  # (B, k + 1, V) the policy's at the same positions, and one more
+    generators: Sequence[torch.Generator],
+) -> list[tuple[int, int]]:
+    """For each row: (how many of its proposals are accepted, the token that follows them) by exact
+    speculative sampling, row b with generator b. A certain proposal (q one-hot at x, as an n-gram
+    draft makes) needs no q: max(0, p - q) is p with x's mass removed. The following tokens are
+    drawn together, one CDF pass for the batch."""
+    B, width = len(proposed), max((len(row) for row in proposed), default=0)
+    ids = torch.zeros(B, max(width, 1), dtype=torch.long)
+    for b, row in enumerate(proposed):
+        ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+    px = p[:, :width].gather(-1, ids[:, :width, None])[..., 0].tolist()
+    qx = None if q is None else q[:, :width].gather(-1, ids[:, :width, None])[..., 0].tolist()
+    counts = []
+    for b, row in enumerate(proposed):
+        n = len(row)
+        for i in range(len(row)):
+            qi = 1.0 if qx is None else qx[b][i]
+            if not (qi > 0 and float(torch.rand((), generator=generators[b])) * qi < px[b][i]):
+                n = i
+                break
+        counts.append(n)
+    rows, at = torch.arange(B), torch.tensor(counts, dtype=torch.long)
+    following = p[rows, at]  # all accepted: the bonus token from p
+    rejected = at < torch.tensor([len(row) for row in proposed], dtype=torch.long)
+    if bool(rejected.any()):
+        kept = at.clamp(max=max(width - 1, 0))
         if q is None:
-            residual = p[i].clone()
-            residual[x] = (p[i, x] - 1.0).clamp(min=0)
+            residual = following.clone()
+            residual[rows, ids[rows, kept]] = 0.0
         else:
-            residual = (p[i] - q[i]).clamp(min=0)
-        if float(residual.sum()) <= 0:  # p == q up to rounding: draw from p
-            residual = p[i]
-        return i, int(draw(residual[None], [generator])[0])
-    return len(proposed), int(draw(p[len(proposed)][None], [generator])[0])
+            residual = (following - q[rows, kept]).clamp(min=0)
+        residual[residual.sum(-1) <= 0] = following[residual.sum(-1) <= 0]  # p == q up to rounding: p
+        following = torch.where(rejected[:, None], residual, following)
+    return list(zip(counts, draw(following, generators).tolist()))
 
 
 @dataclass
