@@ -63,7 +63,7 @@ def pretrain_eagle(cfg: RunConfig, out: Path, prompts: int, epochs: int) -> dict
         for r in group_requests(engine, item, cfg, -1, g, n, temperature, rollout.rollout_seed)
     ]
     start = time.perf_counter()
-    samples = engine.generate(requests, progress=True)
+    samples = engine.generate(requests, progress=cfg.logging.progress)
     generated = time.perf_counter() - start
     train, held_out = samples[: -held * n], samples[-held * n :]
     spec = cfg.speculative
