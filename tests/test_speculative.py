@@ -19,6 +19,7 @@ from miles.rollout.speculative import (
     draw,
     expected_tokens_per_pass,
     sampling_probs,
+    tokens_per_pass_by_position,
     verify_probs,
 )
 from miles.train.draft_trainer import EagleTrainer
@@ -310,27 +311,38 @@ def test_doctor_names_drift_and_a_draft_too_slow_for_its_acceptance(tmp_path):
 
 
 def test_adaptive_speculation_takes_the_fastest_lookahead_per_batch_size_and_reexplores():
-    spec = Speculator(NgramDraft(), 4, max_batch=16, adaptive=True, explore=4, warmup=2, decay=0.5)
+    """The rate of a lookahead is the expected tokens per row of a pass (from the acceptance
+    counted at each position) over the seconds its passes took at that batch size: checked
+    against the hand-computed rate, and the choice against the fastest by that rate."""
+    spec = Speculator(NgramDraft(), 4, max_batch=16, adaptive=True, explore=4, warmup=2, decay=1.0)
     assert spec.choose(17) == 0  # above the cap: plain
-    speed = {0: 25, 1: 20, 2: 30, 3: 12, 4: 8}  # lookahead 2 is the fastest at this size
+    seconds = {0: 1.0, 1: 1.2, 2: 1.4, 3: 2.0, 4: 2.6}  # a pass's time at batch 8, by lookahead
     first = []
     for _ in range(10):
         first.append(spec.choose(8))
-        spec.record(8, first[-1], tokens=speed[first[-1]], seconds=1.0)
-    assert first == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0]  # each lookahead measured `warmup` times, plain last
+        spec.record(8, first[-1], seconds[first[-1]])
+    assert first == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0]  # each lookahead timed `warmup` times, plain last
+    for _ in range(100):  # acceptance 0.5 at position 1, 0.8 after: rows of 0..4 accepted tokens
+        for accepted in (0, 0, 0, 0, 0, 1, 2, 3, 4, 4):
+            spec.observe(4, accepted)
+    assert spec.acceptance(4) == pytest.approx([0.5, 0.8, 0.75, 2 / 3])  # from the counts above
+    expected = {k: (tokens_per_pass_by_position([0.5, 0.8, 0.75, 2 / 3][:k]) if k else 1.0) / seconds[k]
+                for k in seconds}  # fmt: skip
+    assert all(spec.rate(8, k) == pytest.approx(expected[k]) for k in seconds)
+    best = max(expected, key=expected.get)
+    assert best == 2  # 1 + 0.5 + 0.4 = 1.9 tokens in 1.4 s
     picks = [spec.choose(8) for _ in range(8)]
-    assert picks.count(2) == 6  # the others re-tried every 4th step, one after another
-    assert len({k for k in picks if k != 2}) == 2
-    spec.record(8, 2, tokens=1, seconds=1.0)  # lookahead 2 turns slow
-    assert spec.rate(8, 2) == (0.5 * (0.5 * 30 + 30) + 1) / (0.5 * (0.5 * 1 + 1) + 1) < 25
-    assert spec.choose(8) == 0
-    assert spec.choose(1) == 4  # another bucket is measured on its own
+    assert picks.count(best) == 6  # the others re-timed every 4th step, one after another
+    assert len({k for k in picks if k != best}) == 2
+    for _ in range(40):
+        spec.record(8, 2, 3.0)  # lookahead 2 turns slow
+    assert spec.choose(8) != 2
+    assert spec.choose(5) == 4  # another batch size is timed on its own
     assert Speculator(NgramDraft(), 4, max_batch=16).choose(8) == 4  # not adaptive: always k
-    # a rate is tokens over seconds summed, not a mean of per-step rates (a pass's tokens vary)
-    steps = Speculator(NgramDraft(), 4, adaptive=True, decay=1.0)
-    steps.record(1, 3, tokens=4, seconds=0.2)
-    steps.record(1, 3, tokens=1, seconds=0.2)
-    assert steps.rate(1, 3) == 5 / 0.4
+    # a position not checked yet is taken to accept as the one before it
+    fresh = Speculator(NgramDraft(), 4, adaptive=True)
+    fresh.observe(4, 1)
+    assert fresh.acceptance(4) == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_miles_draft_trains_a_head_that_a_run_starts_from(tmp_path, capsys):

@@ -762,9 +762,9 @@ class SpeculativeSection:
     )
     spec_adaptive: bool = option(
         True,
-        "below --spec-max-batch-size, measure tokens/s per batch size of plain steps and of lookaheads 1, 2, 3 "
-        "and k, and decode with the fastest (re-trying the others every 16th step); --no-spec-adaptive "
-        "speculates k tokens on every step",
+        "below --spec-max-batch-size, decode with the lookahead (plain, 1, 2, 3 or k) of most tokens/s at the "
+        "batch size: the draft's measured acceptance by position over each lookahead's timed pass; "
+        "--no-spec-adaptive speculates k tokens on every step",
     )
     online_sft_interval: int = option(
         0,

@@ -480,7 +480,7 @@ class Engine:
             self.times.decode_seconds += elapsed
             self.times.decode_steps += 1
             self.times.decode_tokens += after - before
-        spec.record(batch, lookahead, after - before, elapsed)
+        spec.record(batch, lookahead, elapsed)
         return finished
 
     def _decode_speculative(self, k: int) -> list[Sample]:
@@ -515,7 +515,7 @@ class Engine:
         finished = []
         decided = accept(proposed, q, p, generators)  # q None: certain proposals (n-gram)
         for b, (s, row, (n, following)) in enumerate(zip(states, proposed, decided)):
-            spec.stats.record(len(row), n)
+            spec.observe(len(row), n)
             self.draft.keep(s.slot, s.length + min(n, len(row) - 1))
             if routed is not None:  # the policy's routing of every fed token that was kept
                 s.routed.append(routed[b, : n + 1])

@@ -216,15 +216,20 @@ class Speculator:
     """What an engine needs to decode speculatively: the draft, the lookahead k, the batch size above
     which speculation is off, and the counts behind the spec_* metrics.
 
-    `adaptive`: below that cap, the engine measures tokens per second per batch-size bucket (1, 2,
-    3-4, 5-8, ...) for each lookahead of `lookahead_arms(k)`, 0 being a plain step, and decodes with
-    the fastest: a verification's cost grows with the tokens it checks (on a CPU from a few rows
-    on), so the best lookahead shrinks as the batch grows, and acceptance moves as the draft
-    trains. A pass's tokens vary (1 to k + 1 per row), so each lookahead is first measured
-    `warmup` steps, and its rate is its decayed tokens over its decayed seconds (about the last
-    1 / (1 - decay) steps it ran). Every `explore`-th step of a bucket re-tries one of the others,
-    in turn. Every way of decoding samples exactly from the policy, so the choice changes speed
-    only.
+    `adaptive`: below that cap, the engine decodes each step with the lookahead of
+    `lookahead_arms(k)` (0 being a plain step) that gives the most tokens per second at the
+    current batch size: expected tokens per row per pass, from the draft's acceptance at each
+    position (counted over every pass, whatever the batch), over the seconds a pass of that
+    lookahead takes at that batch size (measured). A verification's cost grows with the tokens it
+    checks (on a CPU from a few rows on), so the best lookahead shrinks as the batch grows, and
+    acceptance moves as the draft trains. Costs are measured per batch size, not per range of
+    them: a pass of 8 rows costs more than one of 5, and comparing lookaheads measured at
+    different sizes would favour the one measured at the cheaper size. A pass's time varies
+    little and its tokens a lot (1 to k + 1 per row), so rating a lookahead by its expected
+    tokens rather than the tokens it happened to make needs far fewer steps. Each lookahead is
+    first timed `warmup` steps at a batch size; every `explore`-th step there re-times one of the
+    others, in turn; `decay` weighs recent passes more. Every way of decoding samples exactly
+    from the policy, so the choice changes speed only.
     """
 
     def __init__(
@@ -234,26 +239,34 @@ class Speculator:
         max_batch: int = 16,
         adaptive: bool = False,
         explore: int = 16,
-        warmup: int = 4,
+        warmup: int = 2,
         decay: float = 0.95,
     ) -> None:
         self.draft, self.k, self.max_batch = draft, lookahead, max_batch
         self.adaptive, self.explore, self.warmup, self.decay = adaptive, explore, warmup, decay
         self.arms = lookahead_arms(lookahead)
         self.stats = SpecStats(lookahead)
-        self.measured: dict[
-            tuple[int, int], list[float]
-        ] = {}  # (bucket, lookahead) -> [tokens, seconds, steps]
-        self.turns: dict[int, int] = {}  # decisions made per bucket
+        self.cost: dict[tuple[int, int], list[float]] = {}  # (batch, lookahead) -> [passes, seconds, count]
+        self.offered = [0.0] * lookahead  # proposals checked at each position (decayed counts)
+        self.accepted = [0.0] * lookahead  # and accepted
+        self.turns: dict[int, int] = {}  # decisions made per batch size
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return max(batch - 1, 0).bit_length()
+    def acceptance(self, lookahead: int) -> list[float]:
+        """The draft's measured acceptance at positions 1..lookahead (a position never checked
+        yet: the one before it)."""
+        out, last = [], 0.0
+        for hits, offered in zip(self.accepted[:lookahead], self.offered[:lookahead]):
+            last = hits / offered if offered > 0 else last
+            out.append(last)
+        return out
 
     def rate(self, batch: int, lookahead: int) -> float:
-        """Measured tokens per second at this batch size's bucket and lookahead (0: unmeasured)."""
-        tokens, seconds, _ = self.measured.get((self.bucket(batch), lookahead), (0.0, 0.0, 0))
-        return tokens / seconds if seconds > 0 else 0.0
+        """Expected tokens per second per row at this batch size and lookahead (0: untimed)."""
+        passes, seconds, _ = self.cost.get((batch, lookahead), (0.0, 0.0, 0))
+        if seconds <= 0:
+            return 0.0
+        tokens = tokens_per_pass_by_position(self.acceptance(lookahead)) if lookahead else 1.0
+        return tokens * passes / seconds
 
     def choose(self, batch: int) -> int:
         """The lookahead for this decoding step of `batch` running requests; 0: a plain step."""
@@ -261,21 +274,32 @@ class Speculator:
             return 0
         if not self.adaptive:
             return self.k
-        b = self.bucket(batch)
-        turn = self.turns[b] = self.turns.get(b, 0) + 1
-        unmeasured = [k for k in reversed(self.arms) if self.measured.get((b, k), (0, 0, 0))[2] < self.warmup]
-        if unmeasured:  # measure each first, the longest lookahead first
-            return unmeasured[0]
+        turn = self.turns[batch] = self.turns.get(batch, 0) + 1
+        untimed = [k for k in reversed(self.arms) if self.cost.get((batch, k), (0, 0, 0))[2] < self.warmup]
+        if untimed:  # time each first, the longest lookahead first
+            return untimed[0]
         best = max(self.arms, key=lambda k: self.rate(batch, k))
         if turn % self.explore:
             return best
         others = [k for k in self.arms if k != best]
         return others[(turn // self.explore) % len(others)]
 
-    def record(self, batch: int, lookahead: int, tokens: int, seconds: float) -> None:
-        """A step of `batch` requests at `lookahead` (0: plain) made `tokens` in `seconds`."""
-        m = self.measured.setdefault((self.bucket(batch), lookahead), [0.0, 0.0, 0])
-        m[0], m[1], m[2] = self.decay * m[0] + tokens, self.decay * m[1] + seconds, m[2] + 1
+    def record(self, batch: int, lookahead: int, seconds: float) -> None:
+        """A step of `batch` requests at `lookahead` (0: plain) took `seconds`."""
+        m = self.cost.setdefault((batch, lookahead), [0.0, 0.0, 0])
+        m[0], m[1], m[2] = self.decay * m[0] + 1, self.decay * m[1] + seconds, m[2] + 1
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """One row of a verification: `accepted` of its `proposed` tokens kept (for the
+        acceptance by position; recent passes weigh more, as the draft trains)."""
+        keep = self.decay ** (1 / 8)  # per row: about the decay of a pass of 8 rows
+        for i in range(self.k):
+            self.offered[i] *= keep
+            self.accepted[i] *= keep
+        for i in range(min(accepted + 1, proposed, self.k)):
+            self.offered[i] += 1
+            self.accepted[i] += i < accepted
+        self.stats.record(proposed, accepted)
 
     def take_stats(self) -> SpecStats:
         """The counts since the last call."""
