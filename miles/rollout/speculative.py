@@ -67,15 +67,15 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Te
 
 def accept(
     proposed: Sequence[Sequence[int]],
-    q: torch.Tensor
-    | None,  # (B, k, V) the draft's distributions the proposals were drawn from; None: certain
-    p: torch.Tensor,  # (B, k + 1, V) the policy's at the same positions, and one more
+    q: torch.Tensor | None,
+    p: torch.Tensor,
     generators: Sequence[torch.Generator],
 ) -> list[tuple[int, int]]:
     """For each row: (how many of its proposals are accepted, the token that follows them) by exact
-    speculative sampling, row b with generator b. A certain proposal (q one-hot at x, as an n-gram
-    draft makes) needs no q: max(0, p - q) is p with x's mass removed. The following tokens are
-    drawn together, one CDF pass for the batch."""
+    speculative sampling, row b with generator b. q (B, k, V): the draft's distributions the
+    proposals were drawn from; p (B, k + 1, V): the policy's at the same positions and one more.
+    A certain proposal (q None: one-hot at x, as an n-gram draft makes) needs no q: max(0, p - q)
+    is p with x's mass removed. The following tokens are drawn together, one CDF pass."""
     B, width = len(proposed), max((len(row) for row in proposed), default=0)
     ids = torch.zeros(B, max(width, 1), dtype=torch.long)
     for b, row in enumerate(proposed):
@@ -101,7 +101,8 @@ def accept(
             residual[rows, ids[rows, kept]] = 0.0
         else:
             residual = (following - q[rows, kept]).clamp(min=0)
-        residual[residual.sum(-1) <= 0] = following[residual.sum(-1) <= 0]  # p == q up to rounding: p
+        empty = residual.sum(-1) <= 0  # p == q up to rounding: draw from p
+        residual[empty] = following[empty]
         following = torch.where(rejected[:, None], residual, following)
     return list(zip(counts, draw(following, generators).tolist()))
 
@@ -285,17 +286,17 @@ class Speculator:
         return others[(turn // self.explore) % len(others)]
 
     def record(self, batch: int, lookahead: int, seconds: float) -> None:
-        """A step of `batch` requests at `lookahead` (0: plain) took `seconds`."""
+        """A step of `batch` requests at `lookahead` (0: plain) took `seconds`. After a
+        verification the acceptance counts decay too: recent passes weigh more, as the draft
+        trains."""
         m = self.cost.setdefault((batch, lookahead), [0.0, 0.0, 0])
         m[0], m[1], m[2] = self.decay * m[0] + 1, self.decay * m[1] + seconds, m[2] + 1
+        if lookahead:
+            self.offered = [self.decay * n for n in self.offered]
+            self.accepted = [self.decay * n for n in self.accepted]
 
     def observe(self, proposed: int, accepted: int) -> None:
-        """One row of a verification: `accepted` of its `proposed` tokens kept (for the
-        acceptance by position; recent passes weigh more, as the draft trains)."""
-        keep = self.decay ** (1 / 8)  # per row: about the decay of a pass of 8 rows
-        for i in range(self.k):
-            self.offered[i] *= keep
-            self.accepted[i] *= keep
+        """One row of a verification: `accepted` of its `proposed` tokens kept."""
         for i in range(min(accepted + 1, proposed, self.k)):
             self.offered[i] += 1
             self.accepted[i] += i < accepted
