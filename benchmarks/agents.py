@@ -25,9 +25,9 @@ from pathlib import Path
 from miles.agents.chat import with_tool_system
 from miles.agents.tools import calculator, load_tools
 from miles.config import load_config
+from miles.diagnostics.metrics_file import read_metrics
 from miles.rollout.debug_data import load_rollout
-from miles.runtime.loop import train
-from miles.runtime.metrics import read_metrics
+from miles.run import train
 from miles.train.sft import SFTConfig, run_sft
 
 EXAMPLE = "examples/calculator_tool.yaml"

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from miles.config import load_config
-from miles.runtime.loop import train
-from miles.runtime.metrics import read_metrics
+from miles.diagnostics.metrics_file import read_metrics
+from miles.run import train
 
 DEFAULT = "miles/assets/default_train.yaml"
 

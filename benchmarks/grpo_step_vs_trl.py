@@ -75,8 +75,8 @@ def time_trl(steps: int) -> list[float]:
 
 def time_miles(steps: int) -> list[float]:
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     out = Path(tempfile.mkdtemp())
     argv = [

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from miles.config import load_config
-from miles.diagnostics.memory import training_memory
+from miles.devices import training_memory
+from miles.diagnostics.metrics_file import read_metrics
 from miles.models import registry
 from miles.rollout.engine import Engine
-from miles.runtime.loop import train
-from miles.runtime.metrics import read_metrics
+from miles.run import train
 from miles.sync.payload import published_weights
 from miles.sync.strategy import InProcessBuckets
 from miles.train.policy_trainer import PolicyTrainer

@@ -25,10 +25,10 @@ import time
 import torch
 
 from miles.config import load_config
-from miles.diagnostics.memory import measure_peak
+from miles.devices import measure_peak
 from miles.models import registry
-from miles.rollout.engine import Engine, Request
-from miles.rollout.sampling import SamplingParams
+from miles.rollout.engine import Engine
+from miles.rollout.sampling import Request, SamplingParams
 from miles.train.policy_trainer import PolicyTrainer
 from miles.train.prepare import prepare_train_model
 

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 from miles.config import load_config
-from miles.runtime.loop import train
-from miles.runtime.metrics import read_metrics
+from miles.diagnostics.metrics_file import read_metrics
+from miles.run import train
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [

@@ -86,7 +86,7 @@ def until_done(args: list[str], out: Path, on_start=None) -> int:
 
 
 def records(out: Path) -> list[dict]:
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
 
     return [
         {k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in read_metrics(out / "run")

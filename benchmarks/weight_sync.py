@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from miles.sync.buckets import pack_bucket, plan_buckets, unpack_bucket
+from miles.models.checkpoint import plan_buckets
+from miles.sync.buckets import pack_bucket, unpack_bucket
 from miles.sync.transports import BucketBuffer, send_bucketed, send_one_at_a_time, send_shared, share
 
 BUCKET = 512 * 1024**2

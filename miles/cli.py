@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from miles.models import registry
     from miles.rollout.drafts import speculator_for
     from miles.rollout.engine import Engine
-    from miles.rollout.server import EngineServer
+    from miles.serve.server import EngineServer
 
     if not 0 <= args.port <= 65535:
         raise MilesError(f"--port {args.port}: a TCP port is 0-65535 (0: any free port)")
@@ -226,9 +226,22 @@ def cmd_draft(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+SFT_LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_target_modules")  # `miles train`'s flags, in `miles sft`
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says it (the config fields' flags do)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     import json
 
+    from miles.config.loader import field_values
     from miles.train.sft import SFTConfig, run_sft
 
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
@@ -241,8 +254,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         model=args.model, task=args.task, task_config=task_config, data=args.data, input_key=args.input_key,
         label_key=args.label_key, chat=not args.no_chat, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         seed=args.seed, eval_every=args.eval_every, target_accuracy=args.target_accuracy, save=args.save, log=args.log,
-        eval_size=args.eval_size, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        lora_target_modules=args.lora_target_modules,
+        eval_size=args.eval_size, **field_values(args, names=SFT_LORA_FIELDS),
     )  # fmt: skip
     result = run_sft(cfg)
     print(
@@ -368,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sft",
         help="supervised fine-tuning on a task or a JSONL file",
         description="Supervised fine-tuning: cross-entropy on the answer tokens (answer + EOS).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnce,
     )
     sft.add_argument("--model", default="tiny-random", help="model to start from (default: tiny-random)")
     sft.add_argument("--task", help="reasoning-gym task, e.g. basic_arithmetic")
@@ -394,21 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-accuracy", type=number(float, 0), help="stop once held-out accuracy reaches this"
     )
     sft.add_argument("--save", help="write the model (HF checkpoint; with --lora-rank the PEFT adapter) here")
-    sft.add_argument(
-        "--lora-rank",
-        type=number(int, 0),
-        default=0,
-        help="train LoRA adapters of this rank (0: every weight)",
-    )
-    sft.add_argument(
-        "--lora-alpha",
-        type=number(float, 0, low_open=True),
-        help="adapter scale alpha / r (default: twice the rank)",
-    )
-    sft.add_argument(
-        "--lora-target-modules", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        help="layer names to adapt (as in PEFT), or all-linear",
-    )  # fmt: skip
+    add_field_flags(sft, list(SFT_LORA_FIELDS))  # as `miles train` has them
     sft.add_argument("--log", help="write per-step loss/accuracy JSONL here")
     sft.set_defaults(func=cmd_sft)
 

@@ -1,4 +1,4 @@
-"""`miles train`'s entry point: one policy (`miles.runtime.loop`) or, with --env-path, several
+"""`miles train`'s entry point: one policy (`miles.runtime.assemble`, then `miles.runtime.loop`) or, with --env-path, several
 agents in a multi-agent environment (`miles.multiagent.co_evolution`)."""
 
 from __future__ import annotations
@@ -14,6 +14,6 @@ def train(cfg: RunConfig) -> Path:
         from miles.multiagent.co_evolution import train_agents
 
         return train_agents(cfg)
-    from miles.runtime.loop import train as train_policy
+    from miles.runtime.assemble import train as train_policy
 
     return train_policy(cfg)

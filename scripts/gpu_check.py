@@ -169,7 +169,7 @@ def cuda_ipc_between_processes() -> None:
 
 def default_job_on_cuda(extra: list[str], name: str, check_weights: bool = True) -> None:
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
 
     out = Path(tempfile.mkdtemp())
     args = ["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "25", "--eval-interval", "0",
@@ -326,7 +326,7 @@ def expert_offload_on_cuda() -> None:
 def true_on_policy_on_cuda() -> None:
     """--true-on-policy-mode on a GPU: are the batch-invariant tiles bitwise on cuBLAS too?"""
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
 
     out = Path(tempfile.mkdtemp())
     args = ["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "3", "--eval-interval", "0",
@@ -403,7 +403,7 @@ def opd_teacher_on_server(url: str) -> None:
     """--opd-teacher-url on a real SGLang server holding the student's own weights: its
     prefill-only input_token_logprobs score the sampled tokens, so the KL is about zero."""
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
 
     out = Path(tempfile.mkdtemp())
     train(load_config(["--config", str(ROOT / "miles/assets/default_train.yaml"), "--num-rollout", "1",

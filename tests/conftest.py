@@ -181,8 +181,8 @@ def local_run(tmp_path_factory):
         key = (steps, *flags)
         if key not in done:
             from miles.config import load_config
-            from miles.runtime.loop import train
-            from miles.runtime.metrics import read_metrics
+            from miles.diagnostics.metrics_file import read_metrics
+            from miles.run import train
 
             out = shared / f"local_run_{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
             with FileLock(str(out) + ".lock"):
@@ -206,19 +206,19 @@ def check_async_run(out: Path, flags: list[str], monkeypatch) -> list[dict]:
     """A 5-step async run: every step trains, no sample is dropped, staleness is 0 or 1 and 1
     occurs (the overlap is real); returns the metrics."""
     from miles.config import load_config
-    from miles.runtime import loop
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+    from miles.runtime import feed
 
     seen = []
-    real = loop.drop_stale
+    real = feed.drop_stale
 
     def spy(groups, trainer_version, bound):
         kept, dropped = real(groups, trainer_version, bound)
         seen.extend(s.metadata["staleness"] for g in groups for s in g)
         return kept, dropped
 
-    monkeypatch.setattr(loop, "drop_stale", spy)
+    monkeypatch.setattr(feed, "drop_stale", spy)
     train(load_config(small_run_args(out, 5) + flags))
     records = read_metrics(out)
     assert [r["rollout"] for r in records] == [-1, 0, 1, 2, 3, 4]

@@ -11,8 +11,8 @@ from miles.agents.tools import ToolBox, calculator, load_tools
 from miles.data.sample import Sample
 from miles.errors import ConfigError
 from miles.rewards.workers import Limits
-from miles.rollout.engine import Engine, Request
-from miles.rollout.sampling import SamplingParams
+from miles.rollout.engine import Engine
+from miles.rollout.sampling import Request, SamplingParams
 from tests.conftest import DEFAULT_YAML, random_model, response_logprobs
 
 FIX = "tests.agent_fixtures"
@@ -186,8 +186,8 @@ def test_lockstep_batches_every_waiting_conversation_in_sample_order():
 
 def agent_run(tmp_path, *flags: str, steps: int = 2):
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     rollouts = str(tmp_path / "rollout_{rollout_id}.pt")
@@ -272,7 +272,7 @@ def test_miles_serve_answers_the_openai_client(tmp_path):
     import openai
 
     from miles.models.tokenizer import byte_tokenizer
-    from miles.rollout.server import EngineServer
+    from miles.serve.server import EngineServer
 
     tok = byte_tokenizer()
     model = random_model("qwen3", vocab_size=len(tok))

@@ -52,8 +52,8 @@ def test_the_binned_kl_is_the_full_kl_with_every_token_and_a_hand_count_with_one
 
 
 def test_a_teacher_equal_to_the_student_is_zero_kl_away(tmp_path):
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     args = small_run_args(tmp_path, 1) + ["--use-opd", "--opd-teacher-load", "tiny", "--eval-size", "0"]
     train(load_config(args))
@@ -95,10 +95,10 @@ def test_a_teacher_server_equals_the_teacher_beside_the_trainer(tmp_path):
     rounding, as --opd-teacher-load of that teacher (the server's prefill-only scores are the
     sampled tokens' log-probs). The teacher is a dense model, so no routing tie can differ
     between the trainer's batches and the server's single sequences."""
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.models.checkpoint import save_model
     from miles.models.tokenizer import byte_tokenizer
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.run import train
     from tests.conftest import comparable, random_model, start_server
 
     teacher = tmp_path / "teacher"

@@ -26,7 +26,7 @@ def run_job(root: Path, name: str, *flags: str, steps: int = 5, stops: str | Non
     """A short default-job run with `flags`. It must run all its steps, unless `stops` is given:
     then it must stop itself with that error (a run that cannot learn, e.g. NaN steps), leaving
     the metrics the doctor reads. Any other failure fails the test."""
-    from miles.runtime.loop import train
+    from miles.run import train
 
     out = root / name
     argv = [*BASE, "--num-rollout", str(steps), "--output-dir", str(out), *flags]

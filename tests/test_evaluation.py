@@ -43,8 +43,8 @@ def test_eval_config_errors_name_the_set_and_the_key(tmp_path):
 def test_miles_eval_of_a_checkpoint_equals_the_runs_own_evaluation(tmp_path, capsys):
     from miles.cli import main
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     sets = tmp_path / "eval.yaml"
     prompts = tmp_path / "held.jsonl"
@@ -99,8 +99,8 @@ def test_an_evaluation_cut_off_by_a_stop_runs_again_on_resume(tmp_path):
     import torch
 
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     flags = [*small_run_args(tmp_path / "run", 2), "--eval-engine", "own", "--eval-interval", "1",
              "--save", str(tmp_path / "ckpt")]  # fmt: skip

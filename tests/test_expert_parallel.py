@@ -92,8 +92,8 @@ def test_expert_parallel_in_miles_train_matches_the_local_run_and_resumes(ray_cl
     rank's optimizer state and a resumed run goes on as the uninterrupted one; each rank's expert
     weights are half of the model's."""
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     ep = [

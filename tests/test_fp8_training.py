@@ -149,7 +149,7 @@ def test_an_outlier_breaks_tensorwise_scaling_and_blockwise_fp32_scales_keep_it(
 
 def test_precision_warmup_runs_bf16_then_fp8_in_trainer_and_engine(tmp_path):
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
     from tests.conftest import small_run_args
 
     out = tmp_path / "warm"

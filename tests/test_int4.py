@@ -164,7 +164,7 @@ def test_int4_qat_run_with_precision_warmup_keeps_trainer_and_engine_together(tm
     engine's log-probs stay with the trainer's throughout, and the engine's memory report shows
     packed weights."""
     from miles.config import load_config
-    from miles.runtime.loop import train
+    from miles.run import train
     from tests.conftest import small_run_args
 
     out = tmp_path / "int4"

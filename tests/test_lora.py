@@ -11,7 +11,6 @@ import transformers
 
 from miles.config import load_config
 from miles.errors import CheckpointError, ConfigError
-from miles.lora import adapters
 from miles.lora.adapters import (
     LoraSpec,
     adapted,
@@ -22,7 +21,7 @@ from miles.lora.adapters import (
     spec_of,
 )
 from miles.lora.peft_files import load_adapter, save_adapter
-from miles.models.checkpoint import hf_state_dict, save_model
+from miles.models.checkpoint import hf_state_dict, is_adapter_weight, save_model
 from miles.models.registry import load as registry_load
 from miles.rollout.weights import apply_named_tensors, served_weights
 from miles.sync.payload import published_weights
@@ -64,7 +63,7 @@ def test_adapter_hook_merge_and_engine_merge_agree(arch):
     assert (merged(IDS).logits - hooked).abs().max() < 1e-4
     # the engine receives the adapters alone, in buckets that split A from B and bring the scale last
     payload = list(published_weights(model).items())
-    assert all(adapters.is_adapter_weight(n) or n == "lora.scale" for n, _ in payload)
+    assert all(is_adapter_weight(n) or n == "lora.scale" for n, _ in payload)
     assert payload[-1][0] == "lora.scale"
     half = len(payload) // 2 + 1
     for bucket in (payload[:half], payload[half:]):
@@ -147,9 +146,9 @@ def test_lora_run_trains_adapters_only_and_resumes_exactly(tmp_path):
     """The default job with LoRA: the base never moves, the optimizer holds the adapters alone,
     the engine serves what the trainer computes, a resumed run equals the straight one, and the
     exports load (PEFT adapter; merged checkpoint equal to base + adapter)."""
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.models import registry
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.run import train
 
     flags = [
         "--lora-rank",
@@ -212,8 +211,8 @@ def test_quantized_base_serves_the_adapter_as_trained_and_sft_trains_adapters(tm
     """FP8 base (QLoRA-style): the engine keeps the adapter beside its FP8 layers, so rollout and
     training log-probs agree as closely as without LoRA; `miles sft --lora-rank` lowers the loss
     training the adapters alone and saves a PEFT adapter."""
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from miles.train.sft import SFTConfig, run_sft
 
     flags = ["--lora-rank", "8", "--lr", "1e-3", "--fp8-recipe", "blockwise"]

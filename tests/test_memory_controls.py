@@ -64,7 +64,7 @@ def test_memory_budget_below_the_weights_is_refused_naming_both():
 
 
 def test_token_budget_smaller_than_the_longest_sample_is_refused(tmp_path):
-    from miles.runtime.loop import train
+    from miles.run import train
 
     args = small_run_args(tmp_path, 1) + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "8"]
     with pytest.raises(
@@ -103,9 +103,9 @@ def test_micro_batch_plans_keep_every_sample_and_the_budget():
 def test_auto_batch_run_stays_under_its_budget(tmp_path):
     """A short run with --auto-batch: each step reports its micro-batch peak under the budget and
     the budget it chose, grown from one sample."""
-    from miles.diagnostics.memory import step_peak_memory
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.devices import step_peak_memory
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     budget = step_peak_memory()["peak_rss"] / 1e9 + 1.0  # this process now, plus 1 GB for training
     args = small_run_args(tmp_path, 2) + [

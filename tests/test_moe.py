@@ -264,9 +264,9 @@ def test_r3_buffer_in_miles_train(tmp_path):
     routing mismatch in the used experts: the log-prob gap stays at float rounding); a buffer
     smaller than one rollout stops the run with the size that fits."""
     from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.errors import MilesError
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     args = small_run_args(tmp_path / "ok", 1) + ["--use-r3", "--r3-buffer-size", "16", "--eval-interval", "0"]

@@ -13,8 +13,8 @@ from tests.test_multiagent import kuhn_args
 
 def test_agents_on_ray_match_the_one_process_run(ray_cluster, tmp_path):
     from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.run import train
-    from miles.runtime.metrics import read_metrics
 
     flags = ("--num-rollout", "2", "--strategy", "simultaneous", "--co-evolution-interval", "1")
     runs = {}

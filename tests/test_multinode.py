@@ -29,10 +29,10 @@ def two_nodes():
 
 def test_two_nodes_train_like_one_process(two_nodes, tmp_path, monkeypatch, caplog, local_run):
     from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.models import registry
     from miles.models.checkpoint import hf_state_dict
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.run import train
     from miles.runtime.ray_rollout import RolloutManager
     from miles.runtime.ray_train import RayTrainer
     from tests.conftest import small_run_args

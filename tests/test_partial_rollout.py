@@ -28,20 +28,21 @@ def test_join_concatenates_the_pieces_and_masks_the_old_part_when_asked():
 def check_partial_run(out, monkeypatch, extra: list[str]) -> None:
     """4 steps of partial rollout with 2x in flight: every trained sample is trained once, and a
     resumed sample's tokens carry the versions of the weights that produced them."""
-    from miles.runtime import loop
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+    from miles.runtime.learner import Learner
 
     trained: list[tuple[int, list[Sample]]] = []
-    real = loop.train_and_sync
+    real = Learner.train
 
-    def spy(run, groups, rollout_id, profiler):
+    def spy(self, groups, rollout_id):
         trained.append((rollout_id, [s for g in groups for s in g]))
-        return real(run, groups, rollout_id, profiler)
+        return real(self, groups, rollout_id)
 
-    monkeypatch.setattr(loop, "train_and_sync", spy)
+    monkeypatch.setattr(Learner, "train", spy)
     flags = ["--partial-rollout", "--over-sampling-batch-size", "8", "--rollout-max-response-len", "40",
              "--rollout-temperature", "1.0", "--eval-size", "0", *extra]  # fmt: skip
-    loop.train(load_config(small_run_args(out, 4) + flags))
+    train(load_config(small_run_args(out, 4) + flags))
     metrics = read_metrics(out)
     assert all(m["train_samples"] == 16 for m in metrics)  # rollout_batch_size x n, every step
     everything = [s for _, samples in trained for s in samples]
@@ -68,7 +69,7 @@ def test_partial_rollout_trains_each_sample_once_with_its_token_versions(tmp_pat
 def test_partial_rollout_over_two_ray_engines(ray_cluster, tmp_path, monkeypatch):
     """The same on two engine actors, run in lock-step by the driver, which stops both once enough
     groups are done: two runs cut every rollout at the same place, so they are the same run."""
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
     from tests.conftest import comparable
 
     flags = ["--rollout-num-gpus", "2", "--over-sampling-batch-size", "16"]

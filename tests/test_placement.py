@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from miles.config import load_config
 from miles.errors import ConfigError, MilesError
-from miles.runtime.loop import fit_to_ranks
+from miles.runtime.feed import fit_to_ranks
 from miles.runtime.placement import plan_layout
 
 

@@ -76,8 +76,8 @@ def test_critic_gradient_accumulation_is_exact():
 
 
 def test_ppo_run_warms_the_critic_then_trains_both_and_resumes_with_its_critic(tmp_path):
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     flags = [
         "--advantage-estimator",

@@ -21,8 +21,8 @@ def test_miles_train_on_ray_matches_the_local_run(ray_cluster, tmp_path, local_r
     across the processes (the plain 2 + 2 layout runs in the sync tests below); its sync is
     --use-zero-copy-sync, so the engines map rank 0's memory: handles of a few KB a sync."""
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
     from tests.test_true_on_policy import TRUE_ON_POLICY
 
@@ -55,8 +55,8 @@ def test_zero_copy_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     (with several ranks, rank 0's own: the test above): same run, and each sync moves handles of
     a few KB instead of the 7 MB model."""
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     reference = local_run(3)
@@ -78,9 +78,9 @@ def test_training_rank_failure_stops_cleanly_and_resumes(ray_cluster, tmp_path, 
     --load resumes it (the fault fired once) and finishes with the metrics of an undisturbed run
     (the one-process run, which an undisturbed 2-rank run equals: test_miles_train_on_ray_...)."""
     from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.errors import MilesError
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     args = small_run_args(tmp_path / "run", 4) + [
@@ -124,8 +124,8 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, monkeypat
     one-process run's. With no checkpoint or check asked for, weights go from rank 0 to the
     engines directly: the driver never fetches them."""
     from miles.config import load_config
-    from miles.runtime import executors, loop, ray_train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.runtime import assemble, executors, ray_train
     from tests.conftest import small_run_args
 
     placed = []
@@ -156,9 +156,9 @@ def test_placement_and_reference_model_on_ranks(ray_cluster, tmp_path, monkeypat
     monkeypatch.setattr(
         ray_train.RayTrainer, "sync_policy", lambda self: fetches.append(1) or real_sync(self)
     )
-    monkeypatch.setattr(loop, "build_executor", build_and_look)
-    loop.train(load_config(small_run_args(tmp_path / "local", 2) + algo))
-    loop.train(load_config(small_run_args(tmp_path / "ray", 2) + layout + algo))
+    monkeypatch.setattr(assemble, "build_executor", build_and_look)
+    assemble.train(load_config(small_run_args(tmp_path / "local", 2) + algo))
+    assemble.train(load_config(small_run_args(tmp_path / "ray", 2) + layout + algo))
     colocated = "--colocate" in layout
     ((actors_in, devices_full),) = placed
     assert actors_in == ([2, 2] if colocated else [1, 1, 1, 1])  # colocated: rank i + engine i
@@ -180,8 +180,8 @@ def test_fsdp_ranks_match_the_local_run_and_resume(ray_cluster, tmp_path, local_
     (checked; engine actors with FSDP ranks: the LoRA test); a checkpoint holds the whole
     optimizer state, and a run resumed from it goes on as the uninterrupted one."""
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     fsdp = ["--actor-num-gpus-per-node", "2", "--data-parallel", "fsdp"]
@@ -200,8 +200,8 @@ def test_broadcast_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     with the trainer's weights after every sync; each sync sends the model once to each engine
     process."""
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     reference = local_run(3)
@@ -273,8 +273,8 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
     The engines decode speculatively with a draft trained online: its weights reach every engine
     (the restarted one too) and each step reports the engines' merged acceptance counts."""
     from miles.config import load_config
-    from miles.runtime import loop
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from miles.runtime.ray_rollout import RolloutManager
     from tests.conftest import small_run_args
 
@@ -288,7 +288,7 @@ def test_engine_killed_mid_run_the_run_completes(ray_cluster, tmp_path, monkeypa
     monkeypatch.setattr(RolloutManager, "__init__", capture)
     flags = ["--rollout-num-gpus", "2", "--check-weight-update-equal", "--fault-inject", "engine@rollout:1"]
     flags += ["--draft-model", "auto", "--online-sft-interval", "1", "--no-spec-adaptive"]
-    loop.train(load_config(small_run_args(tmp_path, 4) + flags))
+    train(load_config(small_run_args(tmp_path, 4) + flags))
     rows = [r for r in read_metrics(tmp_path) if r["rollout"] >= 0]
     assert [r["rollout"] for r in rows] == list(range(4))
     assert all(r["train_samples"] == 16 and "pg_loss" in r for r in rows)  # 4 prompts x 4 samples
@@ -304,8 +304,8 @@ def test_ppo_critic_on_two_ranks_matches_the_local_run(ray_cluster, tmp_path):
     import torch
 
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     ppo = ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--eval-size", "0"]
@@ -333,8 +333,8 @@ def test_lora_on_ray_ranks_and_engines_matches_the_local_run(ray_cluster, tmp_pa
     engine processes: the same run as one process; each broadcast carries the adapters alone (a
     small share of the model's bytes), read back from every engine after each sync."""
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     lora = ["--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj,o_proj", "--lr", "1e-3"]

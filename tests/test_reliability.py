@@ -13,10 +13,10 @@ import pytest
 
 from miles.config import load_config
 from miles.data import Sample, Status
+from miles.diagnostics.metrics_file import read_metrics
 from miles.errors import MilesError
 from miles.rewards import RewardRunner
-from miles.runtime.loop import train
-from miles.runtime.metrics import read_metrics
+from miles.run import train
 from tests.conftest import ROOT, small_run_args
 
 
@@ -104,16 +104,16 @@ def test_a_reward_that_fails_every_sample_stops_the_run_and_says_why(tmp_path, c
 def test_nan_weights_stop_the_run_after_the_skipped_steps(tmp_path, monkeypatch, caplog):
     import torch
 
-    import miles.runtime.loop as loop
+    import miles.runtime.assemble as assemble
 
-    real = loop.build_executor
+    real = assemble.build_executor
 
     def poisoned(cfg, policy, *rest, **kwargs):
         with torch.no_grad():
             policy.model.norm.weight.fill_(float("nan"))
         return real(cfg, policy, *rest, **kwargs)
 
-    monkeypatch.setattr(loop, "build_executor", poisoned)
+    monkeypatch.setattr(assemble, "build_executor", poisoned)
     args = small_run_args(tmp_path / "run", 6) + ["--max-consecutive-skipped-steps", "2", "--eval-size", "0"]
     with pytest.raises(MilesError, match="2 optimizer steps in a row were skipped"):
         train(load_config(args))
@@ -267,7 +267,7 @@ def test_step_peak_memory_sees_each_steps_own_peak():
     depends on what the process allocated before.)"""
     import mmap
 
-    from miles.diagnostics.memory import step_peak_memory
+    from miles.devices import step_peak_memory
 
     step_peak_memory()  # start a window
     base = step_peak_memory()["peak_rss"]

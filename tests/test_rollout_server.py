@@ -12,7 +12,7 @@ import torch
 
 from miles.models import byte_tokenizer, save_model
 from miles.rollout import Engine, Request, SamplingParams
-from miles.rollout.server import EngineServer
+from miles.serve.server import EngineServer
 from tests.conftest import random_model
 
 
@@ -161,7 +161,7 @@ def test_a_large_body_is_refused_before_it_is_read(server):
     import socket
     import time
 
-    from miles.rollout.server import MAX_BODY_BYTES
+    from miles.rollout.http import MAX_BODY_BYTES
 
     head = (
         f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -36,8 +36,8 @@ def small_run(out, *extra) -> list[str]:
 
 def test_a_run_on_miles_serve_processes_equals_the_in_process_run(servers, tmp_path):
     from miles.config import load_config
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     train(load_config(small_run(tmp_path / "local")))
     urls = ",".join(servers)

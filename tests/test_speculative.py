@@ -235,10 +235,10 @@ def test_a_run_with_an_online_draft_logs_acceptance_and_the_doctor_reads_it(tmp_
     the engine recorded, and `miles doctor` names the young head's low acceptance with remedies
     that load."""
     from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
     from miles.doctor.checks import diagnose
     from miles.doctor.run import load_run
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.run import train
     from tests.conftest import small_run_args
 
     out = tmp_path / "spec"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_config
-from miles.runtime.loop import train
-from miles.runtime.metrics import read_metrics
+from miles.diagnostics.metrics_file import read_metrics
+from miles.run import train
 from tests.conftest import DEFAULT_YAML, ROOT, check_async_run, comparable, small_run_args
 
 
@@ -61,7 +61,7 @@ def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
     """GRPO on the shipped base model raises held-out greedy accuracy, and by a margin that the
     same run with a broken loss (advantages negated) cannot reach. Fixed seeds: deterministic.
     Measured: 0.33 -> 0.705 after 12 steps (0.775 after 25); the broken run falls instead."""
-    import miles.runtime.loop as loop
+    import miles.runtime.learner as learner
 
     def run(out: Path, steps: int = 14) -> list[float]:
         args = [
@@ -84,8 +84,8 @@ def test_training_raises_held_out_accuracy(tmp_path, monkeypatch):
     trained = [r for r in read_metrics(tmp_path / "grpo") if r["rollout"] >= 0]
     # fp32 on CPU: the trainer routes (almost) every token as the engine did (0.0 measured here)
     assert all(r["routing_mismatch_frac"] < 0.01 and r["routing_mismatch_token_frac"] < 0.05 for r in trained)
-    real = loop.compute_advantages
-    monkeypatch.setattr(loop, "compute_advantages", lambda *a: [-x for x in real(*a)])
+    real = learner.compute_advantages
+    monkeypatch.setattr(learner, "compute_advantages", lambda *a: [-x for x in real(*a)])
     broken_before, broken_after = run(tmp_path / "broken", steps=6)  # it falls at once
     assert broken_before == before
     print(f"held-out accuracy: {before:.3f} -> {after:.3f}; negated advantages -> {broken_after:.3f}")
@@ -171,7 +171,7 @@ def test_async_one_step_off_policy(tmp_path, monkeypatch, sync):
 def test_drop_stale_bounds_staleness():
     from types import SimpleNamespace
 
-    from miles.runtime.loop import drop_stale
+    from miles.runtime.feed import drop_stale
 
     def sample(*versions):
         return SimpleNamespace(weight_versions=list(versions), metadata={})
@@ -188,12 +188,12 @@ def test_over_sampling_trains_on_rollout_batch_size_groups(tmp_path, monkeypatch
     rollout_batch_size groups (the global batch)."""
     import torch
 
-    from miles.runtime import loop
+    from miles.runtime import feed
 
     drawn = []
-    real = loop.collect_groups
+    real = feed.collect_groups
     monkeypatch.setattr(
-        loop, "collect_groups", lambda engine, items, *a: drawn.append(len(items)) or real(engine, items, *a)
+        feed, "collect_groups", lambda engine, items, *a: drawn.append(len(items)) or real(engine, items, *a)
     )
     args = small_run_args(tmp_path / "run", 2) + ["--over-sampling-batch-size", "6", "--eval-size", "0"]
     train(load_config(args + ["--save", str(tmp_path / "ckpt")]))

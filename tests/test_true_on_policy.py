@@ -34,8 +34,8 @@ def test_true_on_policy_mode_makes_train_and_rollout_logprobs_bitwise_equal(loca
 def test_true_on_policy_mode_composes_with_speculative_rollout(tmp_path):
     """Speculative verification scores k + 1 tokens a pass through the same batch-invariant
     forward: still bitwise equal."""
-    from miles.runtime.loop import train
-    from miles.runtime.metrics import read_metrics
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
 
     train(load_config(small_run_args(tmp_path, 1) + [*TRUE_ON_POLICY, "--draft-model", "ngram"]))
     (step,) = trained(read_metrics(tmp_path))
@@ -69,7 +69,7 @@ def dumped_run(tmp_path, monkeypatch, fault: str | None, *flags: str):
     `perturbed` loads one projection 5% too large at every weight update, `stale` never applies
     an update (the engine keeps serving the initial weights)."""
     from miles.rollout import engine
-    from miles.runtime.loop import train
+    from miles.run import train
 
     if fault == "perturbed":
         real = engine.apply_named_tensors

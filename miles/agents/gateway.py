@@ -20,8 +20,8 @@ from typing import Any
 
 from miles.agents import openai_api as api
 from miles.agents.lockstep import EngineClient
+from miles.rollout.http import BadRequest, Listener, json_handler
 from miles.rollout.sampling import SamplingParams
-from miles.rollout.server import BadRequest, Listener, json_handler
 
 log = logging.getLogger("miles")
 

@@ -18,8 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from miles.data.sample import Sample
-from miles.rollout.engine import Request
-from miles.rollout.sampling import SamplingParams
+from miles.rollout.sampling import Request, SamplingParams
 
 log = logging.getLogger("miles")
 

@@ -11,18 +11,20 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from miles.agents.lockstep import EngineClient, Lockstep
-from miles.agents.trajectory import AGENT_ERROR
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample, Status
+from miles.data.trajectory import AGENT_ERROR
 from miles.errors import MilesError
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.functions import load_function
-from miles.rollout.engine import Request
+from miles.rollout.sampling import Request
 
 log = logging.getLogger("miles")
 
 
 class RolloutMode(Protocol):
+    max_seq_len: int | None  # the engines' context, set by the run (multi-turn conversations stop before it)
+
     def prompt_overhead(self, tokenizer) -> int | None: ...  # characters added to each prompt (None: unknown)
 
     def prompt_ids(self, tokenizer, prompt, chat: bool) -> list[int]: ...
@@ -34,6 +36,8 @@ class RolloutMode(Protocol):
 
 class SingleTurn:
     """One engine call per sample."""
+
+    max_seq_len: int | None = None
 
     def prompt_overhead(self, tokenizer) -> int | None:
         return 0

@@ -19,8 +19,8 @@ from typing import Any
 
 from miles.agents.chat import bridge, encode, render
 from miles.agents.tool_calls import ToolCall, hermes
-from miles.agents.trajectory import Trajectory
 from miles.data.sample import Sample
+from miles.data.trajectory import Trajectory
 from miles.errors import MilesError
 from miles.rollout.sampling import SamplingParams
 

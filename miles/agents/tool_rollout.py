@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from miles.agents.chat import bridge, encode, prompt_ids, render
 from miles.agents.tool_calls import CallError, ToolCall
 from miles.agents.tools import ToolBox
-from miles.agents.trajectory import Trajectory
 from miles.data.sample import Sample, Status
-from miles.rollout.engine import Request
+from miles.data.trajectory import Trajectory
+from miles.rollout.sampling import Request
 
 
 @dataclass

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import os
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,9 +206,12 @@ def add_field_flags(parser: argparse.ArgumentParser, names: list[str], **default
         add_field_flag(parser, name, defaults.get(name, _OWN_DEFAULT))
 
 
-def field_values(args: argparse.Namespace, where: str = "command line") -> dict[str, Any]:
-    """Field name -> converted value for every config field present in `args`."""
-    return {k: _convert(FIELDS[k], v, where) for k, v in vars(args).items() if k in FIELDS}
+def field_values(
+    args: argparse.Namespace, where: str = "command line", names: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Field name -> converted value for every config field present in `args` (or each of `names`)."""
+    wanted = FIELDS if names is None else names
+    return {k: _convert(FIELDS[k], v, where) for k, v in vars(args).items() if k in wanted}
 
 
 def _flatten_yaml(data: Any, path: str) -> dict[str, Any]:
@@ -714,8 +718,11 @@ def validate_faults(cfg: RunConfig) -> None:
             raise ConfigError(
                 f"--fault-inject {spec}: this run has no {fault.target} to kill; it needs {what}"
             )
-        if cfg.co_evolution.env_path:
-            raise ConfigError(f"--fault-inject {spec}: multi-agent runs (--env-path) take no faults yet")
+        if cfg.co_evolution.env_path and fault.target != "driver":
+            raise ConfigError(
+                f"--fault-inject {spec}: a multi-agent run (--env-path) takes driver faults (e.g. driver@step:2); "
+                f"its agents' engines, ranks and rewards are not targets"
+            )
         if fault.point == "checkpoint" and not cfg.checkpoint.save:
             raise ConfigError(f"--fault-inject {spec}: the run writes no checkpoint; add --save DIR")
         if fault.rollout >= cfg.rollout.num_rollout:

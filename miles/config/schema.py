@@ -151,6 +151,13 @@ class RolloutSection:
         "(instead of correcting them with --use-tis)",
     )
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature every log-prob of the run is taken at (engine, trainer, teacher,
+        localisation): the sampling one, and 1 for greedy rollouts (temperature 0), whose
+        recorded log-probs are those of softmax(logits) (`miles.rollout.sampling`)."""
+        return self.rollout_temperature or 1.0
+
     def decode_options(self) -> dict[str, str]:
         """The Engine keyword arguments that choose its decode step (every engine, local or Ray)."""
         return dict(decode_step=self.rollout_decode_step)
@@ -546,6 +553,11 @@ class TrainSection:
         "expert weights, gradients and optimizer state stay in host memory; each MoE layer's experts are brought "
         "to the device for its forward and again for its backward (recomputed), one layer at a time",
     )
+
+    def micro_samples(self, world: int = 1) -> int:
+        """Samples per forward/backward on one of `world` data-parallel ranks: --micro-batch-size,
+        at most the rank's share of the global batch (the policy trainer and the critic alike)."""
+        return min(self.micro_batch_size, self.global_batch_size // world)
 
     def check(self) -> None:
         if self.min_lr > self.lr:

@@ -227,7 +227,7 @@ def localize(run_dir: str | Path, tolerance: float = TOLERANCE) -> Localization:
     """Replay the run's dumped samples on both sides; see the module docstring."""
     dump = load_dump(Path(run_dir))
     trainer, engine, cfg, source = build_sides(Path(run_dir), dump)
-    temperature = cfg.rollout.rollout_temperature or 1.0
+    temperature = cfg.rollout.logprob_temperature
     worst: dict[str, Difference] = {}
     flips: list[RoutingFlip] = []
     step_gap = None

@@ -6,8 +6,8 @@ import fnmatch
 import re
 from pathlib import Path
 
+from miles.diagnostics.metrics_file import read_metrics
 from miles.errors import MilesError
-from miles.runtime.metrics import read_metrics
 
 PANELS = [
     ("reward", ["reward_mean"]),

@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
+from miles.diagnostics.metrics_file import parse_metrics
 from miles.errors import MilesError
-from miles.runtime.metrics import parse_metrics
 
 
 @dataclass

@@ -24,7 +24,6 @@ from miles.errors import ConfigError
 # Every projection of attention and the MLP (dense, experts, shared expert); never lm_head or a
 # MoE router (`mlp.gate`, `shared_expert_gate`): suffixes match as PEFT's target_modules list does.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SUFFIXES = ("lora_A", "lora_B")
 
 
 @dataclass(frozen=True)
@@ -145,10 +144,6 @@ def spec_of(model: nn.Module) -> LoraSpec | None:
 def adapted(model: nn.Module) -> dict[str, nn.Module]:
     """Adapted projections by name."""
     return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A")}
-
-
-def is_adapter_weight(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in SUFFIXES
 
 
 def merged_weight(

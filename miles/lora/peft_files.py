@@ -15,7 +15,8 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from miles.errors import CheckpointError
-from miles.lora.adapters import SUFFIXES, LoraSpec, adapted, adapter_shape, add_adapters, projections, spec_of
+from miles.lora.adapters import LoraSpec, adapted, adapter_shape, add_adapters, projections, spec_of
+from miles.models.checkpoint import ADAPTER_SUFFIXES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,7 +49,11 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, base_model: str = ""
     """Write the model's adapters as a PEFT adapter directory."""
     spec = spec_of(model)
     assert spec is not None, "save_adapter needs a model with adapters"
-    named = {f"{name}.{which}": getattr(m, which) for name, m in adapted(model).items() for which in SUFFIXES}
+    named = {
+        f"{name}.{which}": getattr(m, which)
+        for name, m in adapted(model).items()
+        for which in ADAPTER_SUFFIXES
+    }
     return write_adapter(path, named, spec, base_model)
 
 

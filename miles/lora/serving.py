@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from miles.errors import MilesError
-from miles.lora.adapters import adapter_shape, attach, is_adapter_weight, merged_weight
+from miles.lora.adapters import adapter_shape, attach, merged_weight
+from miles.models.checkpoint import is_adapter_weight
 
 SCALE = "lora.scale"
 

@@ -20,7 +20,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from miles.errors import CheckpointError
-from miles.lora.adapters import is_adapter_weight
 from miles.models.config import ModelConfig
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.transformer import Transformer, rope_inv_freq
@@ -29,6 +28,30 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that the model derives itself.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+ADAPTER_SUFFIXES = ("lora_A", "lora_B")  # LoRA's A and B matrices: a model's weights beside its base
+
+
+def is_adapter_weight(name: str) -> bool:
+    """Whether `name` is a LoRA adapter's weight (checkpoints and syncs of the base leave it out)."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES
+
+
+def plan_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split tensors, in order, into groups of at most `bucket_bytes` bytes each (checkpoint
+    shards, weight-sync buckets)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if buckets[-1] and size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += n
+    return [b for b in buckets if b]
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -213,10 +236,8 @@ def save_model(
     state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face checkpoint directory atomically, in safetensors shards of at most
-    `max_shard_bytes` (split like weight-sync buckets: `miles.sync.buckets.plan_buckets`), of the
+    `max_shard_bytes` (split as weight-sync buckets are: `plan_buckets`), of the
     model's weights or of `state` (HF-named, e.g. a LoRA model merged)."""
-    from miles.sync.buckets import plan_buckets
-
     path = Path(path)
     with atomic_directory(path) as tmp:
         state = hf_state_dict(model) if state is None else state

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,20 @@ def _state(obj) -> dict | None:
 
 
 def save_agents(
-    save_dir: str | Path, step: int, agents: dict, tokenizer, rng: random.Random, env, tracker
+    save_dir: str | Path,
+    step: int,
+    agents: dict,
+    tokenizer,
+    rng: random.Random,
+    env,
+    tracker,
+    parts: dict[str, Any] | None = None,
+    written: Callable[[], None] | None = None,
 ) -> Path:
+    """`parts`: the run parts' state (`Parts.state_dict`); `written`: called once the models are
+    on disk and the checkpoint is not yet complete (the parts' `checkpoint` phase)."""
     state: dict[str, Any] = {
+        **(parts or {}),
         "agents": {
             name: {
                 "trainer": agent.executor.trainer.state_dict(),
@@ -46,10 +58,10 @@ def save_agents(
         "tracker": _state(tracker),
     }
     models = {f"agents/{name}": agent.policy() for name, agent in agents.items()}
-    return save_checkpoint(save_dir, step, models, tokenizer, state)
+    return save_checkpoint(save_dir, step, models, tokenizer, state, written)
 
 
-def resume_agents(cfg, agents: dict, rng: random.Random, env, tracker, metrics) -> int:
+def resume_agents(cfg, agents: dict, rng: random.Random, env, tracker, metrics, parts=None) -> int:
     """The first step to run: after --load's latest loadable checkpoint (every agent's weights,
     optimizer, baseline and snapshots, the engines' weights and all random state restored, later
     metrics dropped), else 0."""
@@ -75,6 +87,8 @@ def resume_agents(cfg, agents: dict, rng: random.Random, env, tracker, metrics) 
     for obj, key in ((env, "env"), (tracker, "tracker")):
         if state[key] is not None:
             obj.load_state_dict(state[key])
+    if parts is not None:  # the run parts (`miles.runtime.parts.Parts`) take theirs
+        parts.load_state_dict(state)
     metrics.truncate_after(state["rollout_id"])
     log.info("resumed from %s at step %d", path, state["rollout_id"] + 1)
     return state["rollout_id"] + 1

@@ -27,6 +27,7 @@ current and of the average policies; proposer/solver: held-out accuracy and the 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 import time
@@ -47,8 +48,10 @@ from miles.multiagent.agent_state import resume_agents, save_agents
 from miles.multiagent.episodes import EnvSpec, role_advantages
 from miles.rollout import SamplingParams
 from miles.runtime.executors import Executor, build_executor
-from miles.runtime.loop import due
+from miles.runtime.faults import FaultInjector
 from miles.runtime.metrics import MetricsLogger, run_dir_for
+from miles.runtime.parts import Parts, RunPart, Step, due
+from miles.runtime.profiling import ProfilerPart
 from miles.runtime.train_state import latest_checkpoint
 from miles.train.policy_trainer import needs_reference
 
@@ -88,7 +91,6 @@ def agent_config(cfg: RunConfig, index: int, requests: int, name: str = "") -> R
     out = with_overrides(cfg, overrides, f"--agent-overrides {name}") if overrides else copy.deepcopy(cfg)
     out.train.global_batch_size = requests
     out.train.num_steps_per_rollout = 1
-    out.train.micro_batch_size = min(cfg.train.micro_batch_size, requests)
     out.train.share_prompts = False
     out.rollout.rollout_seed = cfg.rollout.rollout_seed + index
     out.rollout.rollout_max_batch_size = max(8, min(requests, cfg.rollout.rollout_max_batch_size))
@@ -206,125 +208,167 @@ class Policies(Mapping):
 
 
 def train_agents(cfg: RunConfig) -> Path:
+    """Train every agent of --env-path together; returns the run directory. The run parts of a
+    single-policy run that apply to several agents (fault injection, the profiler) take part in
+    each step the same way, and their state is checkpointed with the agents'."""
     co = cfg.co_evolution
     spec = build_env(co.env_path, cfg.train.seed)
-    env = spec.env
     run_dir = run_dir_for(cfg)
     metrics = MetricsLogger(run_dir, cfg.logging.use_tensorboard)
     rng = random.Random(cfg.train.seed)
-    resuming = bool(cfg.checkpoint.load) and latest_checkpoint(cfg.checkpoint.load) is not None
-    params = SamplingParams(
-        temperature=cfg.rollout.rollout_temperature,
-        max_new_tokens=spec.max_new_tokens,
-        ignore_eos=True,
-    )
     base, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)  # a shared base, copied per agent
-    max_seq_len = min(registry.context_length(cfg.model.model), spec.max_seq_len)
-    requests = co.episodes_per_step * spec.requests_per_episode
+    agents = build_agents(cfg, spec, base, tokenizer)
+    del base
+    parts = Parts(agent_parts(cfg, run_dir, agents))
+    try:
+        start = resume_agents(cfg, agents, rng, spec.env, spec.tracker, metrics, parts)
+        parts.begin(start)
+        steps = cfg.rollout.num_rollout
+        for step_id in range(start, steps):
+            step = Step(step_id, last=step_id == steps - 1)
+            parts.before(step)
+            co_evolution_step(cfg, spec, agents, tokenizer, rng, step, parts)
+            parts.after(step)
+            metrics.log(step_id, step.metrics)
+            if step_id % 10 == 0 or step.last:
+                shown = {k: round(v, 4) for k, v in step.metrics.items() if k.startswith(SHOWN)}
+                log.info("step %d/%d %s", step_id + 1, steps, shown)
+            if cfg.checkpoint.save and (step.last or due(cfg.checkpoint.save_interval, step_id)):
+                save_agents(cfg.checkpoint.save, step_id, agents, tokenizer, rng, spec.env, spec.tracker,
+                            parts.state_dict(), functools.partial(parts.mark, "checkpoint", step))  # fmt: skip
+        parts.end()
+        for n, agent in agents.items():
+            save_model(agent.policy(), run_dir / "agents" / n, tokenizer)
+    finally:
+        parts.close()
+        for agent in agents.values():
+            agent.rollout.shutdown()
+        metrics.close()
+    return run_dir
+
+
+def build_agents(cfg: RunConfig, spec: EnvSpec, base, tokenizer) -> dict[str, Agent]:
+    """One agent per player of the environment, each over its own copy of `base` (after its
+    action warm-up, which a resumed run does not repeat: it loads its trained weights instead)."""
+    co, env = cfg.co_evolution, spec.env
     unknown = sorted(set(co.agent_overrides) - set(env.agents))
     if unknown:
         raise ConfigError(
             f"--agent-overrides names {unknown}; the agents of {co.env_path} are {list(env.agents)}"
         )
+    resuming = bool(cfg.checkpoint.load) and latest_checkpoint(cfg.checkpoint.load) is not None
+    max_seq_len = min(registry.context_length(cfg.model.model), spec.max_seq_len)
+    requests = co.episodes_per_step * spec.requests_per_episode
     agents: dict[str, Agent] = {}
     for i, name in enumerate(env.agents):
         torch.manual_seed(cfg.train.seed + i)
         policy = copy.deepcopy(base)
-        warm_up = co.action_warmup_steps and spec.warms_up
-        if warm_up and not resuming:  # a resumed run loads its trained weights instead
+        if co.action_warmup_steps and spec.warms_up and not resuming:
             outside = warm_up_actions(
                 policy, tokenizer, env.warmup_prompts(name), env.action_tokens, co.action_warmup_steps, 1e-3
             )
             log.info(
                 "%s: warm-up leaves %.3f of the first move's probability outside %s",
-                name,
-                outside,
-                env.action_tokens,
-            )
+                name, outside, env.action_tokens,
+            )  # fmt: skip
         agents[name] = make_agent(name, i, policy, tokenizer, cfg, max_seq_len, requests, resuming)
         if co.population_size is not None:
             agents[name].snapshot(0)
-    del base
-    names = list(env.agents)
-    episodes, tracker = spec.episodes, spec.tracker
-    steps = cfg.rollout.num_rollout
-    start = resume_agents(cfg, agents, rng, env, tracker, metrics)
-    try:
-        for step in range(start, steps):
-            t0 = time.perf_counter()
-            if co.strategy == "alternating":
-                training = [names[(step // co.co_evolution_interval) % len(names)]]
-            else:
-                training = names
-            record: dict[str, float] = {}
-            batches: dict[str, list] = {}
-            if co.population_size is None:  # everyone plays the current opponents: one set of episodes
-                engines = {n: agents[n].rollout for n in names}
-                states, samples = episodes(
-                    engines, tokenizer, co.episodes_per_step, params, seed=step_seed(cfg, step)
-                )
-                batches = {n: samples[n] for n in training}
-                for n in names:
-                    record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
-                    record.update(win_rates(samples[n], n, {}, agents))
-            else:
-                for n in training:
-                    with against_snapshots(agents, n, rng) as picks:
-                        engines = {m: agents[m].rollout for m in names}
-                        seed = step_seed(cfg, step, names.index(n))
-                        states, samples = episodes(
-                            engines, tokenizer, co.episodes_per_step, params, seed=seed
-                        )
-                    record.update({f"opponent_snapshot_{n}_{o}": pick for o, pick in picks.items()})
-                    record.update(win_rates(samples[n], n, picks, agents))
-                    batches[n] = samples[n]
-                    record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
-            if spec.episode_metrics is not None:
-                record.update(spec.episode_metrics(states))
-            rollout_time = time.perf_counter() - t0
-            for n in names:
-                agent = agents[n]
-                record[f"agent_trained_{n}"] = float(n in batches)
-                if n not in batches or not batches[n]:
-                    continue
-                world = agent.executor.trainer.world
-                batch = batches[n][: len(batches[n]) - len(batches[n]) % world]  # whole shards per rank
-                rewards = [float(s.reward) for s in batch]
-                out = agent.executor.trainer.train(batch, role_advantages(batch, agent.baseline))
-                decay = co.role_baseline_decay
-                agent.baseline = decay * agent.baseline + (1 - decay) * _mean(rewards)
-                record[f"agent_baseline_{n}"] = agent.baseline
-                record[f"agent_pg_loss_{n}"] = out.get("pg_loss", 0.0)
-                record[f"agent_response_len_{n}"] = _mean([s.response_length for s in batch])
-                record[f"agent_train_ranks_{n}"] = world
-                agent.push(step + 1)
-            if (step + 1) % co.co_evolution_interval == 0:  # an interval boundary
-                for n in names:
-                    if co.population_size is not None:
-                        agents[n].snapshot(step + 1)
-                    if agents[n].reference_moves:  # the moving KL reference moves to where the agent is
-                        agents[n].hold_reference()
-            if tracker is not None:
-                policies = Policies(agents)  # fetched only if the tracker reads them (Ray: from rank 0)
-                record.update(tracker(env, policies, tokenizer, {n: agents[n].rollout for n in names}))
-            record["reward_mean"] = _mean(
-                [record[f"agent_reward_{n}"] for n in names if f"agent_reward_{n}" in record]
-            )
-            record["rollout_time"] = rollout_time
-            record["step_time"] = time.perf_counter() - t0
-            metrics.log(step, record)
-            if step % 10 == 0 or step == steps - 1:
-                shown = {k: round(v, 4) for k, v in record.items() if k.startswith(SHOWN)}
-                log.info("step %d/%d %s", step + 1, steps, shown)
-            if cfg.checkpoint.save and (step == steps - 1 or due(cfg.checkpoint.save_interval, step)):
-                save_agents(cfg.checkpoint.save, step, agents, tokenizer, rng, env, tracker)
-        for n in names:
-            save_model(agents[n].policy(), run_dir / "agents" / n, tokenizer)
-    finally:
+    return agents
+
+
+def agent_parts(cfg: RunConfig, run_dir: Path, agents: dict[str, Agent]) -> list[RunPart]:
+    """The run parts of a multi-agent run: --fault-inject (the driver) and --profile."""
+    out: list[RunPart] = []
+    if cfg.debug.fault_inject:
+        out.append(FaultInjector(cfg.debug.fault_inject, run_dir))
+    if cfg.logging.profile:
+        out.append(
+            ProfilerPart(Path(cfg.logging.profile_dir or run_dir / "profile"), cfg.rollout.num_rollout)
+        )
+    return out
+
+
+def co_evolution_step(cfg: RunConfig, spec: EnvSpec, agents: dict[str, Agent], tokenizer, rng: random.Random,
+                      step: Step, parts: Parts) -> None:  # fmt: skip
+    """One step: play the episodes (rollout), train who trains on its own tokens (train), push
+    their weights (sync), then the interval boundary's snapshots and KL references."""
+    co, names = cfg.co_evolution, list(spec.env.agents)
+    t0 = time.perf_counter()
+    with parts.phase("rollout", step):
+        batches, states = play(cfg, spec, agents, tokenizer, rng, step)
+    if spec.episode_metrics is not None:
+        step.metrics.update(spec.episode_metrics(states))
+    rollout_time = time.perf_counter() - t0
+    with parts.phase("train", step):
+        trained = {n: train_agent(co, agents[n], batches[n], step.metrics) for n in names if batches.get(n)}
+    with parts.phase("sync", step):
+        for n in trained:
+            agents[n].push(step.rollout_id + 1)
+    for n in names:
+        step.metrics[f"agent_trained_{n}"] = float(n in batches)
+    if (step.rollout_id + 1) % co.co_evolution_interval == 0:  # an interval boundary
         for agent in agents.values():
-            agent.rollout.shutdown()
-        metrics.close()
-    return run_dir
+            if co.population_size is not None:
+                agent.snapshot(step.rollout_id + 1)
+            if agent.reference_moves:  # the moving KL reference moves to where the agent is
+                agent.hold_reference()
+    if spec.tracker is not None:
+        policies = Policies(agents)  # fetched only if the tracker reads them (Ray: from rank 0)
+        step.metrics.update(
+            spec.tracker(spec.env, policies, tokenizer, {n: agents[n].rollout for n in names})
+        )
+    rewards = [step.metrics[f"agent_reward_{n}"] for n in names if f"agent_reward_{n}" in step.metrics]
+    step.metrics["reward_mean"] = _mean(rewards)
+    step.metrics["rollout_time"] = rollout_time
+    step.metrics["step_time"] = time.perf_counter() - t0
+
+
+def play(cfg: RunConfig, spec: EnvSpec, agents: dict[str, Agent], tokenizer, rng: random.Random,
+         step: Step) -> tuple[dict[str, list], list]:  # fmt: skip
+    """The step's episodes: each training agent's samples (who trains: every agent, or the
+    active one of --strategy alternating), and the episodes' states; rewards and win rates go
+    into `step.metrics`."""
+    co, names, record = cfg.co_evolution, list(spec.env.agents), step.metrics
+    params = SamplingParams(
+        temperature=cfg.rollout.rollout_temperature, max_new_tokens=spec.max_new_tokens, ignore_eos=True
+    )
+    training = names
+    if co.strategy == "alternating":
+        training = [names[(step.rollout_id // co.co_evolution_interval) % len(names)]]
+    if co.population_size is None:  # everyone plays the current opponents: one set of episodes
+        engines = {n: agents[n].rollout for n in names}
+        seed = step_seed(cfg, step.rollout_id)
+        states, samples = spec.episodes(engines, tokenizer, co.episodes_per_step, params, seed=seed)
+        for n in names:
+            record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
+            record.update(win_rates(samples[n], n, {}, agents))
+        return {n: samples[n] for n in training}, states
+    batches = {}
+    for n in training:
+        with against_snapshots(agents, n, rng) as picks:
+            engines = {m: agents[m].rollout for m in names}
+            seed = step_seed(cfg, step.rollout_id, names.index(n))
+            states, samples = spec.episodes(engines, tokenizer, co.episodes_per_step, params, seed=seed)
+        record.update({f"opponent_snapshot_{n}_{o}": pick for o, pick in picks.items()})
+        record.update(win_rates(samples[n], n, picks, agents))
+        batches[n] = samples[n]
+        record[f"agent_reward_{n}"] = _mean([s.reward for s in samples[n]])
+    return batches, states
+
+
+def train_agent(co, agent: Agent, samples: list, record: dict) -> dict[str, float]:
+    """One optimizer step of `agent` on its own samples (advantage: reward - its baseline)."""
+    n, world = agent.name, agent.executor.trainer.world
+    batch = samples[: len(samples) - len(samples) % world]  # whole shards per rank
+    rewards = [float(s.reward) for s in batch]
+    out = agent.executor.trainer.train(batch, role_advantages(batch, agent.baseline))
+    agent.baseline = co.role_baseline_decay * agent.baseline + (1 - co.role_baseline_decay) * _mean(rewards)
+    record[f"agent_baseline_{n}"] = agent.baseline
+    record[f"agent_pg_loss_{n}"] = out.get("pg_loss", 0.0)
+    record[f"agent_response_len_{n}"] = _mean([s.response_length for s in batch])
+    record[f"agent_train_ranks_{n}"] = world
+    return out
 
 
 def step_seed(cfg: RunConfig, step: int, learner: int = -1) -> int:

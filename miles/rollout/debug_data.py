@@ -18,7 +18,7 @@ import torch
 
 from miles.data.sample import Sample, Status
 from miles.errors import ConfigError, MilesError
-from miles.rollout.engine import Request
+from miles.rollout.sampling import Request
 from miles.sync.transports import SyncStats
 
 FORMAT = "miles-rollout-v1"

@@ -27,10 +27,10 @@ import torch
 from tqdm import tqdm
 
 from miles.data.sample import Sample, Status
-from miles.diagnostics.memory import weight_memory
+from miles.devices import weight_memory
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
-from miles.rollout.sampling import Sampler, SamplingParams
+from miles.rollout.sampling import Request, Sampler
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, verify_probs
 from miles.rollout.steps import DecodeStep, choose_step
 from miles.rollout.weights import apply_named_tensors, served_weights
@@ -45,15 +45,6 @@ class Scored(NamedTuple):
     logprobs: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    sample: Sample | None = None  # filled in place when given (keeps prompt, label, metadata)
-    uid: int = -1
-    arrival: int = -1  # set by the engine: how many requests came before this one
 
 
 @dataclass

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from miles.agents.trajectory import AGENT_ERROR, agent_metrics
 from miles.algo.filters import apply_filter
 from miles.config.schema import RunConfig
 from miles.data.prompts import PromptItem
 from miles.data.sample import Sample
+from miles.data.trajectory import AGENT_ERROR, agent_metrics
 from miles.errors import MilesError
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardRunner
-from miles.rollout.engine import Request
-from miles.rollout.sampling import SamplingParams
+from miles.rollout.sampling import Request, SamplingParams
 
 
 def group_requests(

@@ -22,9 +22,8 @@ from miles.config.schema import RunConfig
 from miles.data.prompts import PromptItem
 from miles.data.sample import Sample, Status
 from miles.rewards.runner import RewardRunner
-from miles.rollout.engine import Request
 from miles.rollout.groups import group_requests, score_and_filter
-from miles.rollout.sampling import SamplingParams
+from miles.rollout.sampling import Request, SamplingParams
 
 
 @dataclass(eq=False)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.algo.logprobs import tempered
+from miles.data.sample import Sample
 from miles.errors import MilesError
 from miles.rollout.noise import NoiseBank, gumbel_, rows_ahead
 
@@ -165,3 +166,12 @@ class Sampler:
                 return self.noise.take(slots, generators, left)
 
         return sample_tokens(logits, *self.params(requests), generators, draw)
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    sample: Sample | None = None  # filled in place when given (keeps prompt, label, metadata)
+    uid: int = -1
+    arrival: int = -1  # set by the engine: how many requests came before this one

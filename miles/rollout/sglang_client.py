@@ -48,7 +48,7 @@ import torch
 
 from miles.data.sample import Sample, Status
 from miles.errors import MilesError
-from miles.rollout.engine import Request
+from miles.rollout.sampling import Request
 
 log = logging.getLogger("miles")
 

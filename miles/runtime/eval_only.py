@@ -17,8 +17,8 @@ from miles.lora.adapters import merge_and_unload, spec_of
 from miles.models import registry
 from miles.rewards.runner import RewardRunner
 from miles.rollout.evaluation import eval_sets_of, evaluate_all
+from miles.runtime.assemble import engine_context
 from miles.runtime.executors import local_engine
-from miles.runtime.loop import engine_context
 from miles.runtime.train_state import load_latest
 from miles.train.prepare import add_lora
 

@@ -12,13 +12,13 @@ import logging
 from dataclasses import dataclass
 
 from miles.config.schema import RunConfig
+from miles.devices import resolve_device
 from miles.errors import ConfigError
 from miles.models.checkpoint import hf_state_dict
 from miles.quant.convert import check_at_start, prepare_rollout_model
 from miles.rollout.debug_data import NoSync, ReplayRollout
 from miles.rollout.drafts import speculator_for
 from miles.rollout.engine import Engine
-from miles.runtime.devices import resolve_device
 from miles.runtime.protocols import HostsDraft, ReadsWeightsBack, ReleasesMemory, Rollout, Trainer
 from miles.sync.strategy import CheckedSync, WeightSync, weight_sync_for
 from miles.train.policy_trainer import PolicyTrainer
@@ -59,8 +59,7 @@ def rollout_class(cfg: RunConfig) -> type:
 
 
 def _implements(cls: type, capability: type) -> bool:
-    members = [n for n, v in vars(capability).items() if callable(v) and not n.startswith("_")]
-    return all(callable(getattr(cls, name, None)) for name in members)
+    return issubclass(cls, capability)  # the capabilities are runtime-checkable protocols of methods
 
 
 # (whether the run asks for it, the capability its rollout needs, the flag that asks)

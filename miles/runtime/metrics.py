@@ -12,6 +12,7 @@ import yaml
 
 from miles.config import to_dict
 from miles.config.schema import RunConfig
+from miles.diagnostics.metrics_file import parse_metrics
 from miles.errors import ConfigError, MilesError
 
 log = logging.getLogger("miles")
@@ -30,6 +31,8 @@ def run_dir_for(cfg: RunConfig) -> Path:
 
 
 class MetricsLogger:
+    """metrics.jsonl (a line per `log`), and TensorBoard and wandb when asked."""
+
     def __init__(
         self,
         run_dir: Path,
@@ -39,6 +42,7 @@ class MetricsLogger:
         config: dict | None = None,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.latest: dict[str, Any] = {}  # each metric's last logged value (the progress bar reads it)
         self.tb = self.wb = None
         if tensorboard:
             try:
@@ -88,6 +92,7 @@ class MetricsLogger:
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         record = {"rollout": rollout_id, **metrics}
+        self.latest.update(metrics)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -103,34 +108,3 @@ class MetricsLogger:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
-
-
-def parse_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl; a line a killed run left half-written is skipped with a warning."""
-    records = []
-    try:
-        text = path.read_text()
-    except UnicodeDecodeError as e:
-        raise MilesError(f"{path}: not a metrics file of miles train (not UTF-8 text: {e.reason})") from e
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            log.warning(
-                "%s: line %d is not whole JSON (a run killed while writing it?); skipped", path, number
-            )
-            continue
-        if isinstance(record, dict) and type(record.get("rollout")) is int:
-            records.append(record)
-        else:
-            log.warning("%s: line %d is not a metrics record; skipped", path, number)
-    return records
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise MilesError(f"{path}: no such file; is {run_dir} a miles run directory?")
-    return parse_metrics(path)

@@ -4,7 +4,7 @@ A bundle is one device: {"GPU": 1, "CPU": 1} on a GPU cluster, {"CPU": 1} (one p
 Training ranks take the first `actor_num_nodes * actor_num_gpus_per_node` bundles, rollout
 engines the next `rollout_num_gpus` (disaggregated). With `--colocate` the engines share the
 training ranks' bundles, each side asking for a fraction of the device, and the idle side gives
-its memory back while the other works (see `miles.runtime.loop`).
+its memory back while the other works (see `miles.runtime.feed`).
 """
 
 from __future__ import annotations

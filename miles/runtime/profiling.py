@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from miles.runtime.parts import RunPart, Step
+
 log = logging.getLogger("miles")
 
 PHASES = ("miles.rollout", "miles.train", "miles.sync")
@@ -63,3 +65,28 @@ class StepProfiler:
         by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         (self.out_dir / "summary.txt").write_text(prof.key_averages().table(sort_by=by, row_limit=30) + "\n")
         log.info("profile written to %s (trace.json, summary.txt)", self.out_dir)
+
+
+class ProfilerPart(RunPart):
+    """--profile as a run part: the rollout, train and sync phases marked, a profiler step per RL step."""
+
+    name = "profiler"
+
+    def __init__(self, out_dir: Path, total_steps: int) -> None:
+        self.out_dir, self.total_steps = out_dir, total_steps
+        self.profiler: StepProfiler | None = None
+
+    def begin(self, start: int) -> None:
+        self.profiler = StepProfiler(self.out_dir, steps=self.total_steps - start)
+
+    def phase(self, name: str, step: Step) -> AbstractContextManager:
+        if self.profiler is None or f"miles.{name}" not in PHASES:
+            return nullcontext()
+        return self.profiler.phase(f"miles.{name}")
+
+    def after(self, step: Step) -> None:
+        self.profiler.step()
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from miles.data.sample import Sample
-from miles.rollout.engine import Request
+from miles.rollout.sampling import Request
 
 
 class Trainer(Protocol):

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from miles.data.sample import Sample, Status
 from miles.errors import MilesError
-from miles.rollout.engine import Request
+from miles.rollout.sampling import Request
 from miles.sync.buckets import BucketMeta, SyncIntegrityError, unpack_bucket
 from miles.sync.object_store import from_object_store, put_buckets
 from miles.sync.transports import SyncStats
@@ -66,9 +66,9 @@ class EngineActor:
         `device`: --device (cuda: the GPU Ray gave this actor). The engine works in token ids (the
         manager holds the tokenizer and writes each sample's text); `eos_token_ids`: the
         tokenizer's end of text. The tokenizer is loaded here only for requests with stop strings."""
+        from miles.devices import resolve_device
         from miles.models import registry
         from miles.rollout.engine import Engine
-        from miles.runtime.devices import resolve_device
 
         torch.set_num_threads(threads)
         dev = self.device = resolve_device(device)
@@ -199,7 +199,7 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     def peak_memory(self) -> dict[str, int]:
-        from miles.diagnostics.memory import step_peak_memory, weight_memory
+        from miles.devices import step_peak_memory, weight_memory
 
         return step_peak_memory(self.device) | weight_memory(self.engine.model)
 
@@ -244,7 +244,7 @@ class RolloutManager:
 
         # prompts are encoded and responses decoded here; the engines work in token ids
         self.tokenizer = tokenizer_for(model)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self._options = actor_options or [{}] * (num_engines * tp_size)
         self._engine_args = (model, max_batch_size, max_seq_len, seed)
         self._eos = () if eos is None else (eos,)

@@ -86,8 +86,8 @@ class TrainerActor(GroupSender):
         self, rank: int, world: int, port: int, cfg: RunConfig, threads: int = 1, addr: str = "127.0.0.1"
     ) -> None:
         """`cfg`: the driver's resolved configuration, used as it is (not validated again)."""
+        from miles.devices import resolve_device
         from miles.models import registry
-        from miles.runtime.devices import resolve_device
         from miles.train.policy_trainer import PolicyTrainer, needs_reference
 
         torch.set_num_threads(threads)
@@ -197,7 +197,7 @@ class TrainerActor(GroupSender):
         return ray.get_runtime_context().get_node_id()
 
     def peak_memory(self) -> dict[str, int]:
-        from miles.diagnostics.memory import step_peak_memory, training_memory
+        from miles.devices import step_peak_memory, training_memory
 
         return step_peak_memory(self.device) | training_memory(self.actor.model, self.actor.optimizer)
 

@@ -14,12 +14,18 @@ from collections.abc import Callable
 
 from miles.models.eagle import EagleHead
 from miles.rollout.speculative import best_lookahead, expected_tokens_per_pass
+from miles.runtime.parts import RunPart, Step
 from miles.train.draft_trainer import DraftTrainer, EagleTrainer
 
 log = logging.getLogger("miles")
 
 
-class OnlineDraft:
+class OnlineDraft(RunPart):
+    """--draft-model: each step's spec_* metrics; with --online-sft-interval the draft's training,
+    checkpointed under "draft"."""
+
+    name = "draft"
+
     def __init__(
         self, spec_cfg, rollout, draft=None, rebuild: Callable | None = None, policy: Callable | None = None
     ) -> None:
@@ -35,6 +41,9 @@ class OnlineDraft:
                 )
             else:
                 self.trainer = DraftTrainer(draft, spec_cfg.draft_lr, spec_cfg.draft_ema_decay, rebuild)
+
+    def after(self, step: Step) -> None:
+        step.metrics.update(self.step(step.rollout_id, step.samples))
 
     def step(self, rollout_id: int, samples: list) -> dict[str, float]:
         stats = self.rollout.take_spec_stats()
@@ -69,7 +78,13 @@ class OnlineDraft:
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore the draft and serve it again (the engines started from the checkpoint's draft file)."""
-        if state is None or self.trainer is None:
+        if self.trainer is None:
+            return
+        if state is None:
+            log.warning(
+                "the checkpoint holds no online draft state (an older format, or a run without "
+                "--online-sft-interval): the draft restarts from its file"
+            )
             return
         self.trainer.model.load_state_dict(state["model"])
         self.trainer.optimizer.load_state_dict(state["optimizer"])

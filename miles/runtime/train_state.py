@@ -174,25 +174,14 @@ def load_latest(load_dir: str | Path, models: Mapping[str, Any]) -> tuple[Path, 
     raise CheckpointError(f"--load {load_dir}: no checkpoint loads; the newest: {errors[0]}")
 
 
-def resume(cfg, policy, trainer, sync, data, metrics, critic=None) -> tuple[int, dict[str, Any]]:
-    """The first rollout to run and the checkpoint's state (the loop restores what its modes
-    carry: a rollout running ahead, partial groups, the online draft): after the latest loadable
-    checkpoint of --load (model, optimizer, data position and engine weights restored, later
-    metrics dropped), else (0, {}) (old metrics moved aside)."""
+def resume(cfg, policy, metrics) -> tuple[int, dict[str, Any], Path | None]:
+    """The first rollout to run, the checkpoint's state and its path: after the latest loadable
+    checkpoint of --load (the policy's weights loaded, the RNG restored, later metrics dropped;
+    the run restores the rest of the state), else (0, {}, None) (old metrics moved aside)."""
     clear_stale_of(cfg)
     if cfg.checkpoint.load and (loaded := load_latest(cfg.checkpoint.load, {"model": policy})) is not None:
         ckpt, state = loaded
-        trainer.load_state_dict(state["actor"])
-        if critic is not None:
-            if "critic" not in state:
-                raise CheckpointError(
-                    f"{ckpt} has no critic state: it was saved by a run without --advantage-estimator ppo"
-                )
-            critic.load_state_dict(state["critic"])
-        data.train.position = state["data_position"]
-        sync.push(state["rollout_id"] + 1)  # the engines take the restored weights
         metrics.truncate_after(state["rollout_id"])
-        log.info("resumed from %s at rollout %d", ckpt, state["rollout_id"] + 1)
-        return state["rollout_id"] + 1, state
+        return state["rollout_id"] + 1, state, ckpt
     metrics.archive_previous()
-    return 0, {}
+    return 0, {}, None

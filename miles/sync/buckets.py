@@ -8,7 +8,6 @@ corrupted transfer is caught and the tensors it hit are named.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,22 +48,6 @@ def checksum_bytes(raw: torch.Tensor) -> int:
 
 def checksum(t: torch.Tensor) -> int:
     return checksum_bytes(tensor_bytes(t).cpu())
-
-
-def plan_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Split tensors, in order, into groups of at most `bucket_bytes` bytes each."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if buckets[-1] and size + n > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, t))
-        size += n
-    return [b for b in buckets if b]
 
 
 ALIGN = 64  # every tensor starts on a 64-byte boundary, so views of any dtype are legal

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from miles.errors import MilesError
-from miles.sync.buckets import SyncIntegrityError, checksum_bytes, pack_bucket, plan_buckets, unpack_bucket
+from miles.models.checkpoint import plan_buckets
+from miles.sync.buckets import SyncIntegrityError, checksum_bytes, pack_bucket, unpack_bucket
 from miles.sync.transports import SyncStats
 
 

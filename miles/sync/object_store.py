@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import ray
 import torch
 
-from miles.sync.buckets import BucketMeta, pack_bucket, plan_buckets
+from miles.models.checkpoint import plan_buckets
+from miles.sync.buckets import BucketMeta, pack_bucket
 
 
 def from_object_store(array) -> torch.Tensor:

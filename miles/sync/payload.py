@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from miles.lora.adapters import is_adapter_weight, spec_of
+from miles.lora.adapters import spec_of
 from miles.lora.serving import SCALE
-from miles.models.checkpoint import hf_state_dict
+from miles.models.checkpoint import hf_state_dict, is_adapter_weight
 
 
 def published_weights(

@@ -23,7 +23,8 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing as tmp  # registers the tensor-sharing reductions with ForkingPickler
 
-from miles.sync.buckets import pack_bucket, plan_buckets, unpack_bucket
+from miles.models.checkpoint import plan_buckets
+from miles.sync.buckets import pack_bucket, unpack_bucket
 
 log = logging.getLogger("miles.sync")
 

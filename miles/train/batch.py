@@ -89,9 +89,8 @@ def forward_logprobs(
     model: Transformer, batch: PackedBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(logprobs (B, T-1) of each target, logits, model output) for a packed batch (moved to the
-    model's device; the results stay there)."""
+    model's device; the results stay there). `temperature`: the run's `logprob_temperature`."""
     out = forward_packed(model, batch)
     if batch.targets.device != out.logits.device:
         batch = batch.to(out.logits.device)
-    t = temperature if temperature > 0 else 1.0
-    return token_logprobs(out.logits, batch.targets, temperature=t), out.logits, out
+    return token_logprobs(out.logits, batch.targets, temperature=temperature), out.logits, out

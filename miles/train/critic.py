@@ -82,7 +82,7 @@ class Critic:
             self.optimizer, lambda step: (step + 1) / warmup if warmup and step < warmup else 1.0
         )
         self.world = world
-        self.micro = min(train_cfg.micro_batch_size, train_cfg.global_batch_size // world)
+        self.micro = train_cfg.micro_samples(world)
         self.share = train_cfg.share_prompts
         self.grad_sync: Callable[[bool], bool] | None = None  # set by a data-parallel rank
 

@@ -27,7 +27,7 @@ from miles.algo.masked import aggregate, masked_mean
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
 from miles.config.schema import RunConfig
 from miles.data.sample import Sample
-from miles.diagnostics.memory import measure_peak, training_memory
+from miles.devices import measure_peak, training_memory
 from miles.errors import ConfigError
 from miles.lora import adapters as lora
 from miles.models.transformer import Transformer
@@ -170,7 +170,7 @@ class PolicyTrainer:
         self.world = world  # data-parallel ranks, whose averaged gradients the loss scale undoes
         # this rank's share of each optimizer step, and of each forward/backward
         self.step_samples = cfg.train.global_batch_size // world
-        self.micro_samples = min(cfg.train.micro_batch_size, self.step_samples)
+        self.micro_samples = cfg.train.micro_samples(world)
         # --use-dynamic-batch-size: padded tokens per micro-batch (None: cut by --micro-batch-size)
         self.token_budget = cfg.train.max_tokens_per_gpu if cfg.train.use_dynamic_batch_size else None
         # set by a runner whose forwards are collective (FSDP, expert parallelism): the largest of an int
@@ -320,7 +320,7 @@ class PolicyTrainer:
         `topk`: the same forward also sets the model's top-k per response position on each sample
         (`attach_topk`: a loaded --use-opd teacher's, as a teacher server's answer does)."""
         model = model or self.model
-        temperature = self.cfg.rollout.rollout_temperature or 1.0
+        temperature = self.cfg.rollout.logprob_temperature
         out: list[torch.Tensor | None] = [None] * len(samples)
         for part in self.micro_batches(range(len(samples)), samples):
             chunk = [samples[i] for i in part]
@@ -467,7 +467,7 @@ class PolicyTrainer:
         its metrics: the `ADDITIVE_METRICS` as shares, the rest as this micro-batch's means."""
         cfg, algo = self.cfg, self.cfg.algo
         batch: PackedBatch = pack_samples(samples, algo.use_r3, shares_prompts(cfg)).to(self.device)
-        logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.rollout_temperature)
+        logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.logprob_temperature)
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
         for b, s in enumerate(samples):
@@ -530,7 +530,7 @@ class PolicyTrainer:
             parts["kl_loss"] = float(kl.detach())
         elif cfg.algo.opd_topk:  # the binned KL to the teacher's top-k (--opd-topk-per-position)
             per_token = torch.zeros_like(logp)
-            temperature = cfg.rollout.rollout_temperature or 1.0
+            temperature = cfg.rollout.logprob_temperature
             for b, s in enumerate(samples):
                 rows = response_positions(s)
                 per_token[b, rows] = topk_reverse_kl(

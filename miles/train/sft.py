@@ -29,8 +29,8 @@ from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardRunner
-from miles.rollout.engine import Engine, Request
-from miles.rollout.sampling import SamplingParams
+from miles.rollout.engine import Engine
+from miles.rollout.sampling import Request, SamplingParams
 from miles.train.batch import forward_logprobs, pack_samples
 
 

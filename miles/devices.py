@@ -1,4 +1,9 @@
-"""Per-step peak memory of a process: host RSS (and CUDA allocated/reserved on a GPU).
+"""Devices and memory: `--device` names as torch devices, and each process's memory figures.
+
+A leaf module (torch and the standard library only), so the engine, the trainer, the Ray actors
+and the run measure memory the same way.
+
+Per-step peak memory of a process: host RSS (and CUDA allocated/reserved on a GPU).
 
 The OS keeps a process's peak resident set (VmHWM); Linux lets a process reset its own
 (/proc/self/clear_refs, "5"), so reading then resetting it once per step gives each step's own
@@ -144,3 +149,13 @@ def training_memory(model, optimizer) -> dict[str, int]:
 
 def describe_bytes(report: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report.items() if v)
+
+
+def resolve_device(name: str):
+    """`--device` as a torch device: auto means cuda when this process sees a GPU (a Ray actor
+    sees the GPU its bundle gave it)."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)

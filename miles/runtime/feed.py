@@ -1,0 +1,185 @@
+"""The rollout feed: each step's groups, generated now or ahead, and handed to training.
+
+Without --async-weight-sync a step's rollout runs when the step starts. With it, the next
+rollout runs on a background thread while this step trains, one step off-policy (groups staler
+than --max-staleness are dropped). --colocate hands the devices to the engines for the rollout
+and back to the trainer after it; --partial-rollout carries unfinished groups to the next
+rollout. A checkpoint holds what the feed carries, so a resumed run draws exactly what the
+uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from miles.config.schema import RunConfig
+from miles.data.run_data import RunData
+from miles.rewards.runner import RewardRunner
+from miles.rollout.debug_data import load_rollout, save_rollout
+from miles.rollout.groups import collect_groups
+from miles.rollout.partial import PartialRollout
+from miles.rollout.routing_buffer import RoutingBuffer
+from miles.runtime.executors import Executor
+from miles.runtime.train_state import carries_mode_state
+
+log = logging.getLogger("miles")
+
+
+class RolloutFeed:
+    """Each step's groups and their rollout metrics (`next`), and the thread that evaluation
+    shares with a rollout running ahead (`call`)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        executor: Executor,
+        data: RunData,
+        rewards: RewardRunner,
+        keep=None,
+        mode=None,
+        num_experts: int = 0,
+    ) -> None:
+        """`keep`: the dynamic-sampling filter; `mode`: a multi-turn rollout mode."""
+        self.cfg, self.executor, self.data, self.rewards, self.keep, self.mode = (
+            cfg, executor, data, rewards, keep, mode,
+        )  # fmt: skip
+        self.draw = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
+        self.pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
+            if cfg.sync.async_weight_sync
+            else None
+        )
+        self.ahead: Future | None = None  # with --async-weight-sync: the next rollout, already running
+        self.partial = PartialRollout(cfg) if cfg.rollout.partial_rollout else None
+        self.routing = (  # --r3-buffer-size: routing records wait here, bounded and compact
+            RoutingBuffer(cfg.algo.r3_buffer_size, num_experts)
+            if cfg.algo.r3_buffer_size is not None
+            else None
+        )
+
+    def _collect(self, rollout_id: int):
+        # prompts are taken when the rollout starts, in order, so checkpoints know the position
+        rollout, debug = self.executor.rollout, self.cfg.debug
+        if debug.debug_train_only:
+            return load_rollout(debug.load_debug_rollout_data, rollout_id)
+        if self.partial is not None:
+            groups, step = self.partial.collect(
+                rollout, self.data.train.take, self.rewards, rollout_id, self.keep
+            )
+        else:
+            items = self.data.train.take(self.draw)
+            groups, step = collect_groups(
+                rollout, items, self.cfg, self.rewards, rollout_id, self.keep, self.mode
+            )
+        if debug.save_debug_rollout_data:
+            save_rollout(debug.save_debug_rollout_data, rollout_id, groups, step)
+        if self.routing is not None:
+            self.routing.store(s for g in groups for s in g)
+        return groups, step
+
+    def next(self, rollout_id: int) -> tuple[list, dict]:
+        """Rollout `rollout_id`'s groups (what training gets) and its metrics."""
+        cfg, trainer, rollout = self.cfg, self.executor.trainer, self.executor.rollout
+        if self.pool is not None:
+            groups, step = (self.ahead or self.pool.submit(self._collect, rollout_id)).result()
+            more = rollout_id + 1 < cfg.rollout.num_rollout
+            self.ahead = self.pool.submit(self._collect, rollout_id + 1) if more else None
+            groups, step["stale_dropped"] = drop_stale(groups, rollout_id, cfg.sync.max_staleness)
+        elif cfg.sync.colocate:  # the engines get the devices for the rollout, the trainer after it
+            offloaded = trainer.offload()
+            groups, step = self._collect(rollout_id)
+            step["rollout_memory_released_bytes"] = rollout.release_memory()
+            step["train_offloaded_bytes"] = offloaded
+            trainer.onload()
+        else:
+            groups, step = self._collect(rollout_id)
+        if self.routing is not None:  # this step's records leave the buffer for training
+            self.routing.take((s for g in groups for s in g), in_flight=self.in_flight)
+            step.update(self.routing.metrics())
+        if trainer.world > 1:
+            groups, step["groups_dropped_for_ranks"] = fit_to_ranks(groups, trainer.world)
+        step["train_samples"] = sum(len(g) for g in groups)
+        step["engine_restarts"] = rollout.restarts
+        return groups, step
+
+    @property
+    def in_flight(self) -> int:
+        """Samples whose records may wait at once: one rollout's, two with a rollout running ahead."""
+        per_rollout = self.draw * self.cfg.rollout.n_samples_per_prompt
+        return per_rollout * (2 if self.pool is not None else 1)
+
+    def call(self, fn: Callable[..., Any], *args) -> Any:
+        """`fn(*args)` where the engines are free: with a rollout running ahead, after it, on its
+        thread (an engine serves one caller at a time)."""
+        return fn(*args) if self.pool is None else self.pool.submit(fn, *args).result()
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to go on as if never stopped: the prompt position, the rollout
+        running ahead (waited for: it is the next step's, generated by the weights before this
+        step's update) and the partial groups carried to the next rollout."""
+        state = {"data_position": self.data.train.position}
+        if self.ahead is not None:
+            state["ahead"] = self.ahead.result()
+        if self.partial is not None:
+            state["partial"] = self.partial.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the checkpoint's position and what it carries; what it carries and this run
+        cannot use (another mode), or what this run needs and it lacks (an older checkpoint), is
+        said once."""
+        self.data.train.position = state["data_position"]
+        for key, flag, here in (
+            ("ahead", "--async-weight-sync", self.pool),
+            ("partial", "--partial-rollout", self.partial),
+        ):
+            if state.get(key) is not None and here is None:
+                log.warning(
+                    "the checkpoint holds %s (a %s run); this run, without %s, does not use it",
+                    "a rollout generated ahead" if key == "ahead" else "partial groups carried over",
+                    flag,
+                    flag,
+                )
+            elif not carries_mode_state(state) and here is not None:
+                log.warning(
+                    "the checkpoint is of an older format (no %s state): the resumed %s run generates its next "
+                    "rollout afresh, so it will not equal a run that was never stopped",
+                    key,
+                    flag,
+                )
+        if state.get("ahead") is not None and self.pool is not None:
+            done: Future = Future()
+            done.set_result(state["ahead"])
+            self.ahead = done
+            if self.routing is not None:
+                self.routing.store(s for g in state["ahead"][0] for s in g)
+        if state.get("partial") is not None and self.partial is not None:
+            self.partial.load_state_dict(state["partial"])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def drop_stale(groups, trainer_version: int, bound: int):
+    """Record each sample's staleness (trainer version - oldest weight version it was generated
+    with) and drop the groups holding a sample staler than `bound`; returns (groups, dropped)."""
+    kept = []
+    for group in groups:
+        for s in group:
+            s.metadata["staleness"] = trainer_version - min(s.weight_versions or [trainer_version])
+        if all(s.metadata["staleness"] <= bound for s in group):
+            kept.append(group)
+    return kept, len(groups) - len(kept)
+
+
+def fit_to_ranks(groups: list, world: int) -> tuple[list, int]:
+    """Drop whole groups from the end until the samples split evenly over `world` ranks (a
+    dynamic-sampling filter or the staleness bound can leave any count); returns (groups, dropped)."""
+    kept = list(groups)
+    while kept and sum(len(g) for g in kept) % world:
+        kept.pop()
+    return kept, len(groups) - len(kept)

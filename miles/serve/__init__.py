@@ -1,0 +1,1 @@
+"""`miles serve`: an engine behind HTTP (SGLang's native API and the OpenAI API)."""
