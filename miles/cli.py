@@ -61,9 +61,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from miles.models import registry
     from miles.models.tokenizer import encode_prompt
     from miles.rollout import Engine, Request, SamplingParams
+    from miles.rollout.kv_budget import check_weights_fit
 
     cfg = engine_config(args)
     rollout = cfg.rollout
+    check_weights_fit(cfg.model.model, registry.config_for(cfg.model.model))
     model, tokenizer = registry.load(cfg.model.model)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
     new_tokens = rollout.rollout_max_response_len
@@ -72,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tokenizer,
         max_batch_size=1,
         max_seq_len=len(prompt_ids) + new_tokens + 1,
-        **rollout.decode_options(),
+        **rollout.engine_options(),
     )
     params = SamplingParams(
         temperature=rollout.rollout_temperature, max_new_tokens=new_tokens, seed=rollout.rollout_seed
@@ -88,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from miles.models import registry
     from miles.rollout.drafts import speculator_for
     from miles.rollout.engine import Engine
+    from miles.rollout.kv_budget import check_weights_fit
     from miles.serve.server import EngineServer
 
     if not 0 <= args.port <= 65535:
@@ -99,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "(--online-sft-interval); serve one trained by miles draft (--eagle-head FILE), or --draft-model ngram, auto "
             "or a draft checkpoint path"
         )
+    check_weights_fit(cfg.model.model, registry.config_for(cfg.model.model))
     model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings
     if args.max_seq_len is not None and args.max_seq_len > context:
@@ -112,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_seq_len=max_seq_len,
         seed=cfg.rollout.rollout_seed,
         speculator=speculator_for(cfg.speculative, model, slots, max_seq_len),
-        **cfg.rollout.decode_options(),
+        **cfg.rollout.engine_options(),
     )
     try:
         server = EngineServer(engine, host=args.host, port=args.port, model_path=cfg.model.model).start()
@@ -324,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_field_flags(
         gen,
-        ["model", "rollout_max_response_len", "rollout_temperature", "rollout_seed", "rollout_decode_step"],
+        ["model", "rollout_max_response_len", "rollout_temperature", "rollout_seed", "rollout_decode_step"]
+        + ["mem_fraction_static"],
         rollout_max_response_len=32,
         rollout_temperature=0.0,
     )
@@ -349,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_field_flags(
         serve,
-        ["model", "rollout_max_batch_size", "rollout_seed", "rollout_decode_step"]
+        ["model", "rollout_max_batch_size", "rollout_seed", "rollout_decode_step", "mem_fraction_static"]
         + ["draft_model", "draft_layers", "eagle_head", "spec_lookahead"],
         rollout_max_batch_size=64,
     )

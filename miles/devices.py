@@ -159,3 +159,27 @@ def resolve_device(name: str):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+def available_memory(device) -> int:
+    """Bytes a new allocation on `device` can take now: the GPU's free memory, or on the host
+    what the kernel reports it can give without swapping (MemAvailable)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text()).group(1)) * 1024
+    except (OSError, AttributeError):  # not Linux: the physical memory, as the best figure there is
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def human_bytes(n: float) -> str:
+    """4.20 GiB, 35.0 MiB, 12.0 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

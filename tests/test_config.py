@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from miles.cli import main
 from miles.config import build_train_parser, load_config
@@ -270,9 +271,42 @@ def test_every_example_loads_and_draft_model_none_turns_off_the_yaml_draft():
     examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
     assert len(examples) >= 5
     for path in examples:
-        load_config(["--config", str(path)])
+        made_by = (yaml.safe_load(path.read_text()) or {}).get("prerequisites", {})
+        if any(not Path(p).exists() for p in made_by):  # it starts from another command's output
+            with pytest.raises(ConfigError, match="does not exist yet") as refused:
+                load_config(["--config", str(path)])
+            assert any(command in str(refused.value) for command in made_by.values())
+        else:
+            load_config(["--config", str(path)])
     speculative = str(Path(__file__).parent.parent / "examples" / "speculative_rollout.yaml")
     spec = load_config(["--config", speculative]).speculative
     assert spec.draft_model == "eagle" and spec.online_sft_interval == 2
     spec = load_config(["--config", speculative, "--draft-model", "none"]).speculative
     assert spec.draft_model is None and spec.online_sft_interval == 0
+
+
+def test_an_example_that_starts_from_another_commands_output_names_that_command(tmp_path, monkeypatch):
+    """examples/calculator_tool.yaml starts from the SFT policy a benchmark writes: in a fresh
+    clone it is refused before any work, naming the path and the one command that makes it;
+    once the path exists it loads."""
+    example = Path(__file__).parent.parent / "examples" / "calculator_tool.yaml"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--config", str(example)])
+    assert str(refused.value) == (
+        "runs/agents/sft does not exist yet: this configuration starts from it; make it with "
+        "`.venv/bin/python benchmarks/agents.py --only sft`"
+    )
+    (tmp_path / "runs" / "agents" / "sft").mkdir(parents=True)
+    assert load_config(["--config", str(example)]).model.model == "runs/agents/sft"
+
+
+def test_an_on_off_environment_variable_with_another_value_is_refused(monkeypatch):
+    """MILES_DEBUG, like the precision variables, is 1 or 0: anything else is named, not taken as on."""
+    monkeypatch.setenv("MILES_DEBUG", "banana")
+    with pytest.raises(ConfigError, match="MILES_DEBUG='banana': use 1 \\(on\\) or 0 \\(off\\)"):
+        load_config(["--num-rollout", "1"])
+    monkeypatch.setenv("MILES_DEBUG", "1")
+    assert load_config(["--num-rollout", "1"]).logging.log_level == "DEBUG"
+    monkeypatch.setenv("MILES_DEBUG", "0")
+    assert load_config(["--num-rollout", "1"]).logging.log_level == "INFO"

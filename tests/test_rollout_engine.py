@@ -411,3 +411,67 @@ def test_release_memory_frees_the_kv_cache_and_changes_no_output():
     released.add_request(Request(prompts(1)[0], SamplingParams(max_new_tokens=4)))
     released.step()
     assert released.release_memory() == 0 and released.kv_cache_bytes == size  # busy: kept
+
+
+def test_requests_beyond_the_kv_budget_wait_and_finish_as_they_would_alone(monkeypatch):
+    """A KV budget of 60 tokens and 8 slots: each request reserves prompt + max_new_tokens (up to
+    20 + 2..11 = 31 tokens), so at most two run at once and the rest wait in the queue; every
+    request finishes, with the tokens and log-probs an engine with room for all gives it."""
+    from miles.rollout import kv_budget
+
+    model = peaked("llama", seed=4)
+    ps = prompts(10, seed=2)
+    params = SamplingParams(temperature=0.9, max_new_tokens=20, ignore_eos=True)
+    roomy = Engine(model, max_batch_size=8, max_seq_len=32).generate(
+        [Request(p, SamplingParams(**{**vars(params), "seed": i})) for i, p in enumerate(ps)]
+    )
+    per_token = model.kv_bytes_per_token()
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 60 * per_token * 2)  # x 0.5 = 60 tokens
+    engine = Engine(model, max_batch_size=8, max_seq_len=32)
+    assert engine.kv_budget.tokens == 60
+    for i, p in enumerate(ps):
+        engine.add_request(Request(p, SamplingParams(**{**vars(params), "seed": i})))
+    done, most = [], 0
+    while engine.has_work():
+        done += engine.step()
+        most = max(most, len(engine._running))
+        assert engine._reserved <= 60
+    assert 1 <= most <= 2 and len(done) == 10
+    by_seed = {s.metadata["request_id"]: s for s in done}
+    for i, ref in enumerate(roomy):
+        got = by_seed[i]
+        assert got.tokens == ref.tokens and got.rollout_log_probs == ref.rollout_log_probs
+
+
+def test_a_context_that_cannot_fit_the_budget_is_refused_with_the_figures(monkeypatch):
+    from miles.errors import MilesError
+    from miles.rollout import kv_budget
+
+    model = peaked("llama", seed=4)
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 100 * model.kv_bytes_per_token())
+    with pytest.raises(
+        MilesError, match=r"one request of the engine's context \(64 tokens\) needs .* --mem-fraction"
+    ):
+        Engine(model, max_batch_size=8, max_seq_len=64)  # 64 tokens > 0.5 x 100
+    Engine(model, max_batch_size=8, max_seq_len=64, mem_fraction_static=1.0)  # 64 <= 100: it fits
+
+
+def test_the_cache_holds_memory_for_the_positions_written_and_gives_a_slot_back():
+    """The KV cache of 8 slots x 4096 positions (48 MiB as address space): positions written make
+    pages resident (256 bytes a position of one head: 16 a page), a released slot reads as zeros
+    and holds nothing, and the other slots keep their values."""
+    from miles.models.kv_cache import PAGE, KVCache
+
+    cache = KVCache(num_layers=2, slots=8, kv_heads=2, max_len=4096, head_dim=64)
+    assert cache.resident_bytes() == 0 and cache.nbytes == 2 * 2 * 8 * 2 * 4096 * 64 * 4
+    k = torch.randn(3, 2, 100, 64)
+    for layer in range(2):
+        cache.write(layer, torch.tensor([0, 3, 5]), torch.arange(100).expand(3, 100), k, k)
+    pages = 3 * 2 * -(-100 // 16) * 2 * 2  # slots x heads x pages a head x keys/values x layers
+    assert cache.resident_bytes() == pages * PAGE
+    keys, _ = cache.read(1, slice(0, 8), 100)
+    assert torch.equal(keys[3], k[1]) and not keys[1].any()
+    cache.release(3)
+    assert cache.resident_bytes() == pages * PAGE * 2 // 3
+    keys, _ = cache.read(1, slice(0, 8), 100)
+    assert not keys[3].any() and torch.equal(keys[0], k[0]) and torch.equal(keys[5], k[2])

@@ -101,3 +101,34 @@ def test_smollm2_int4_group_sizes(smol):
         check_int4_group(model, 128)
     assert "does not divide the input size 576 of model.layers.0.self_attn.q_proj" in str(e.value)
     assert "16, 24, 32, 48, 64, 96, 192" in str(e.value)
+
+
+def test_an_engine_of_64_slots_and_the_full_context_holds_memory_for_its_tokens_only(smol):
+    """SmolLM2 with `miles serve`'s defaults (64 slots x its 8192-token context: 24 GB if sized
+    for the worst case): 64 requests of 24 new tokens make the cache resident in proportion to
+    their tokens (within the page granularity: 16 positions of one head a page); what a finished
+    slot keeps is bounded."""
+    from miles.rollout import Engine, Request, SamplingParams
+    from miles.rollout.engine import KEEP_SLOT_BYTES
+
+    model, tok, _ = smol
+    engine = Engine(model, tok, max_batch_size=64)
+    assert engine.max_seq_len == 8192 and engine.cache.nbytes > 20 * 2**30
+    assert engine.cache.resident_bytes() == 0
+    params = SamplingParams(temperature=0.7, max_new_tokens=24, ignore_eos=True)
+    prompt = tok("Tell me about the sea.").input_ids
+    for i in range(64):
+        engine.add_request(Request(list(prompt), SamplingParams(**{**vars(params), "seed": i})))
+    for _ in range(12):  # all admitted, 11 tokens each so far
+        engine.step()
+    held = len(prompt) + 12
+    pages = -(-held // 16)  # a page holds 16 positions of one head (head_dim 64, fp32)
+    cfg = model.config
+    expected = 64 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * pages * 4096
+    resident = engine.cache.resident_bytes()
+    assert len(engine._running) == 64 and 0.9 * expected <= resident <= 1.1 * expected, (resident, expected)
+    assert resident < engine.cache.nbytes / 100
+    while engine.has_work():
+        engine.step()
+    assert engine.cache.resident_bytes() <= resident  # short requests' pages stay for the next (bounded)
+    assert engine.cache.resident_bytes() <= 64 * KEEP_SLOT_BYTES

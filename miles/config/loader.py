@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from miles.config.schema import CoEvolutionSection, RunConfig, SpeculativeSection
+from miles.config.schema import CoEvolutionSection, RunConfig, SpeculativeSection, env_switch
 from miles.errors import ConfigError
 
 ENV_NOT_YET: dict[str, str] = {}  # environment variables of features not built yet: refused
@@ -295,18 +295,10 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def _env_switch(name: str) -> str:
-    """An on/off environment variable: "", "0" or "1" (anything else is an error naming it)."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ConfigError(f"environment variable {name}={value!r}: use 1 (on) or 0 (off), or unset it")
-    return value
-
-
 def _env_int4(precision, given: frozenset) -> None:
     """OPEN_TRAINING_INT4_FAKE_QAT_FLAG / OPEN_TRAINING_INT4_GROUP_SIZE into the configuration
     (an explicit --int4-qat / --no-int4-qat wins over the variable)."""
-    if _env_switch("OPEN_TRAINING_INT4_FAKE_QAT_FLAG") == "1" and "int4_qat" not in given:
+    if env_switch("OPEN_TRAINING_INT4_FAKE_QAT_FLAG") == "1" and "int4_qat" not in given:
         precision.int4_qat = True
     size = os.environ.get("OPEN_TRAINING_INT4_GROUP_SIZE", "").strip()
     if size:
@@ -376,7 +368,7 @@ def validate_precision(cfg: RunConfig) -> None:
     if cfg.precision.int4_qat or cfg.precision.int4_rollout_only:
         return
     precision = cfg.precision
-    scales = _env_switch("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
+    scales = env_switch("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
     if scales == "1" and "fp8_fp32_scales" not in getattr(cfg, "given", frozenset()):
         precision.fp8_fp32_scales = True
     if precision.fp8_rollout_only:

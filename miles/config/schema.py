@@ -21,6 +21,14 @@ def _directory_or_absent(flag: str, value: str | None) -> None:
         raise ConfigError(f"{flag} {value}: is a file; give a directory (it is created when missing)")
 
 
+def env_switch(name: str) -> str:
+    """An on/off environment variable: "", "0" or "1" (anything else is an error naming it)."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"environment variable {name}={value!r}: use 1 (on) or 0 (off), or unset it")
+    return value
+
+
 @dataclass
 class ModelSection:
     """Which model to train."""
@@ -36,6 +44,19 @@ class ModelSection:
         "(cuda when visible)",
         choices=("cpu", "cuda", "auto"),
     )
+    prerequisites: dict = option(
+        {},
+        "paths this run reads that another command makes, each with that command (path: command); a missing "
+        "one stops the run before any work and names its command (examples that start from another run's "
+        "output say how to make it)",
+    )
+
+    def check(self) -> None:
+        for path, command in self.prerequisites.items():
+            if not Path(path).exists():
+                raise ConfigError(
+                    f"{path} does not exist yet: this configuration starts from it; make it with `{command}`"
+                )
 
 
 @dataclass
@@ -151,6 +172,14 @@ class RolloutSection:
         "(instead of correcting them with --use-tis)",
     )
 
+    mem_fraction_static: float = option(
+        0.5,
+        "share of the memory free when an engine starts (its weights loaded) that its KV cache may hold; requests "
+        "beyond it wait in the engine's queue, and a context that cannot fit is refused at start (SGLang's flag; "
+        "there the share also counts the weights)",
+        bounds="(0, 1]",
+    )
+
     @property
     def logprob_temperature(self) -> float:
         """The temperature every log-prob of the run is taken at (engine, trainer, teacher,
@@ -158,9 +187,10 @@ class RolloutSection:
         recorded log-probs are those of softmax(logits) (`miles.rollout.sampling`)."""
         return self.rollout_temperature or 1.0
 
-    def decode_options(self) -> dict[str, str]:
-        """The Engine keyword arguments that choose its decode step (every engine, local or Ray)."""
-        return dict(decode_step=self.rollout_decode_step)
+    def engine_options(self) -> dict:
+        """The Engine keyword arguments this section sets for every engine, local or Ray: its
+        decode step and its KV-cache memory share."""
+        return dict(decode_step=self.rollout_decode_step, mem_fraction_static=self.mem_fraction_static)
 
     def check(self) -> None:
         if self.rollout_top_k == 0:
@@ -663,7 +693,7 @@ class LoggingSection:
         """Its own rules; MILES_DEBUG implies DEBUG, --profile-dir implies --profile."""
         for flag, value in (("--output-dir", self.output_dir), ("--profile-dir", self.profile_dir)):
             _directory_or_absent(flag, value)
-        if os.environ.get("MILES_DEBUG", "").strip() not in ("", "0"):
+        if env_switch("MILES_DEBUG") == "1":
             self.log_level = "DEBUG"
         if self.profile_dir:
             self.profile = True  # asking where profiles go asks for one

@@ -72,6 +72,28 @@ def int4_group_sizes(model: str) -> dict:
     return {"model": model, "linear_input_sizes": widths, "int4_group_sizes": divisors(widths)}
 
 
+def kv_cache(model: str | None) -> dict:
+    """What an engine's KV cache may hold here (--mem-fraction-static of the memory free now), and
+    with a model, how many of its tokens that is."""
+    from miles.devices import available_memory, human_bytes
+    from miles.rollout.kv_budget import DEFAULT_FRACTION, KVBudget
+
+    free = available_memory("cpu")
+    info = {
+        "memory_free": human_bytes(free),
+        "mem_fraction_static": DEFAULT_FRACTION,
+        "budget": human_bytes(DEFAULT_FRACTION * free),
+        "cache": "pages taken as requests grow (CPU); allocated whole on a GPU",
+    }
+    if model:
+        from miles.models import registry
+
+        per_token = registry.config_for(model).kv_bytes_per_token()
+        budget = KVBudget(DEFAULT_FRACTION, free, per_token)
+        info |= {"model": model, "bytes_per_token": per_token, "tokens_in_flight": budget.tokens}
+    return info
+
+
 def environment(model: str | None = None) -> dict:
     import platform
 
@@ -87,6 +109,7 @@ def environment(model: str | None = None) -> dict:
         # Ray workers started by miles inherit the driver's environment; miles also resolves
         # NVTE_FP8_BLOCK_SCALING_FP32_SCALES into the run's config, which every worker receives
         "precision_env": {v: os.environ.get(v) for v in PRECISION_VARS},
+        "kv_cache": kv_cache(model),
     }
     if model:
         report["model"] = int4_group_sizes(model)

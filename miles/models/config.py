@@ -77,6 +77,10 @@ class ModelConfig:
                 f"num_experts_per_tok={self.num_experts_per_tok}, num_experts={self.num_experts}"
             )
 
+    def kv_bytes_per_token(self, element_size: int = 4) -> int:
+        """Keys and values of one position, every layer, at `element_size` bytes a number."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
+
     @property
     def is_moe(self) -> bool:
         return self.model_type in MOE_TYPES

@@ -12,7 +12,7 @@ import torch
 
 from miles.errors import CheckpointError
 from miles.models.checkpoint import load_model, read_config
-from miles.models.config import tiny_moe_config
+from miles.models.config import ModelConfig, tiny_moe_config
 from miles.models.gguf import gguf_checkpoint, load_gguf, smollm2_gguf_path
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.tokenizer import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, byte_tokenizer, load_tokenizer
@@ -43,16 +43,19 @@ def model_path(spec: str, flag: str = "--model") -> Path | None:
     return path
 
 
+def config_for(spec: str) -> ModelConfig:
+    """The model's configuration, read without its weights (where a checkpoint has a config file)."""
+    path = None if spec == "tiny-random" else model_path(spec)
+    if path is None:
+        return tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE)
+    if path.suffix == ".gguf":  # the cache could not be written: the weights tell
+        return load_gguf(path).config
+    return read_config(path)
+
+
 def context_length(spec: str) -> int:
     """The model's context (max_position_embeddings), read from its config alone."""
-    if spec == "tiny-random":
-        return tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE).max_position_embeddings
-    path = model_path(spec)
-    if path is None:
-        return tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE).max_position_embeddings
-    if path.suffix == ".gguf":  # the cache could not be written: the weights tell
-        return load_gguf(path).config.max_position_embeddings
-    return read_config(path).max_position_embeddings
+    return config_for(spec).max_position_embeddings
 
 
 def tokenizer_for(spec: str):

@@ -357,6 +357,17 @@ class Transformer(nn.Module):
                 nn.init.ones_(module.weight)
         return self
 
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one position, every layer, as `new_cache` holds them."""
+        cfg = self.config
+        return (
+            2
+            * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * self.lm_head.weight.element_size()
+        )
+
     def new_cache(self, slots: int, max_len: int, device=None, dtype=None) -> KVCache:
         cfg, p = self.config, self.lm_head.weight
         return KVCache(

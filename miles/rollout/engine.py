@@ -30,6 +30,7 @@ from miles.data.sample import Sample, Status
 from miles.devices import weight_memory
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
+from miles.rollout.kv_budget import DEFAULT_FRACTION, plan_budget
 from miles.rollout.sampling import Request, Sampler
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, verify_probs
 from miles.rollout.steps import DecodeStep, choose_step
@@ -101,6 +102,12 @@ class EngineTimes:
         }
 
 
+# A finished request's KV-cache pages go back to the OS when it held more than this; a short
+# one's stay for the slot's next request (handing pages back and taking them again costs more
+# than a short request's whole decode), so an idle slot holds at most this much.
+KEEP_SLOT_BYTES = 4 * 2**20
+
+
 class Engine:
     """Batched generation with logprobs, routing capture and versioned weight updates."""
 
@@ -115,8 +122,11 @@ class Engine:
         speculator: Speculator | None = None,
         decode_step: str = "auto",
         eos_token_ids: Iterable[int] = (),
+        mem_fraction_static: float = DEFAULT_FRACTION,
     ) -> None:
         """`decode_step`: auto | fused | general (`miles.rollout.steps.choose_step`);
+        `mem_fraction_static`: the share of the memory free now that the KV cache may hold
+        (`miles.rollout.kv_budget`: requests beyond it wait in the queue);
         `admit_batch`: while requests decode, admit waiting ones once this many slots are free;
         `eos_token_ids`: ends of text besides the model config's and the tokenizer's (an engine
         whose tokenizer stays with the caller: a Ray engine actor)."""
@@ -130,7 +140,17 @@ class Engine:
         self.draft = speculator.draft if speculator is not None else None
         if self.draft is not None:
             self.draft.attach(self.model)
+        self.kv_budget = plan_budget(
+            model.kv_bytes_per_token(), self.slots, self.max_seq_len, self.device, mem_fraction_static,
+            whole=self.device.type != "cpu",
+        )  # fmt: skip
         self.cache = model.new_cache(self.slots, self.max_seq_len)
+        log.info(
+            "KV cache: %d slots of %d tokens, %s; memory follows the tokens in flight%s",
+            self.slots, self.max_seq_len, self.kv_budget.describe(),
+            "" if self.cache.paged else " (allocated whole on this device)",
+        )  # fmt: skip
+        self._reserved = 0  # KV-cache tokens reserved by the requests running (each its worst case)
         vocab = model.lm_head.weight.shape[0]
         self.sampler = Sampler(self.slots, vocab, self.device, draw_ahead=speculator is None)
         self.weight_version = 0
@@ -265,8 +285,7 @@ class Engine:
             if self.has_work():
                 return False
             if self.cache is not None:
-                for buf in self.cache.keys + self.cache.values:
-                    buf.zero_()
+                self.cache.clear()
             return True
 
     def release_memory(self) -> int:
@@ -384,6 +403,10 @@ class Engine:
         for *_, done in updates:
             done.set()
 
+    def _reservation(self, request: Request) -> int:
+        """The KV-cache tokens a request may come to hold: its prompt and every token it may add."""
+        return min(len(request.prompt_ids) + request.params.max_new_tokens, self.max_seq_len)
+
     def _admit(self) -> list[Sample]:
         free = [s for s in range(self.slots) if s not in self._running]
         # A prefill is one extra forward: gather a few free slots before paying for it.
@@ -391,6 +414,10 @@ class Engine:
             return []
         new = []
         while free and self._waiting:
+            need = self._reservation(self._waiting[0])
+            if self._reserved + need > self.kv_budget.tokens:  # it waits for memory to be handed back
+                break
+            self._reserved += need
             req = self._waiting.popleft()
             seed = req.params.seed if req.params.seed is not None else hash((self.seed, req.uid)) % (2**63)
             stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self._eos)
@@ -594,7 +621,10 @@ class Engine:
         return None
 
     def _finish(self, s: _Running, status: Status, reason: dict | None = None) -> Sample:
-        self._running.pop(s.slot, None)
+        if self._running.pop(s.slot, None) is not None:  # it held a slot: its reservation ends
+            self._reserved -= self._reservation(s.request)
+            if self.cache is not None and s.length * self.cache.bytes_per_token > KEEP_SLOT_BYTES:
+                self.cache.release(s.slot)  # its pages go back (a short one's stay, for the next request)
         req = s.request
         sample = req.sample if req.sample is not None else Sample()
         sample.tokens = list(req.prompt_ids) + s.response

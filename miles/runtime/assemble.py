@@ -28,6 +28,7 @@ from miles.rewards.functions import load_function
 from miles.rewards.runner import RewardRunner
 from miles.rollout.drafts import load_draft
 from miles.rollout.evaluation import EvalSet, eval_sets_of
+from miles.rollout.kv_budget import check_weights_fit
 from miles.runtime.evaluation import EvaluationPart, OwnEngine
 from miles.runtime.executors import Executor, build_executor, on_ray
 from miles.runtime.export import ExportPart
@@ -156,6 +157,7 @@ def train(cfg: RunConfig) -> Path:
             f"--rollout-max-response-len {cfg.rollout.rollout_max_response_len} does not fit the context of "
             f"--model {cfg.model.model} ({context} tokens, prompt included); use less than {context}"
         )
+    check_weights_fit(cfg.model.model, registry.config_for(cfg.model.model))
     torch.manual_seed(cfg.train.seed)
     policy, tokenizer = registry.load(cfg.model.model, seed=cfg.train.seed)
     check_finite_weights(policy, cfg.model.model)

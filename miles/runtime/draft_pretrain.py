@@ -54,7 +54,7 @@ def pretrain_eagle(cfg: RunConfig, out: Path, prompts: int, epochs: int) -> dict
         max(GENERATION_BATCH, rollout.rollout_max_batch_size),
         max_seq_len,
         rollout.rollout_seed,
-        **rollout.decode_options(),
+        **rollout.engine_options(),
     )
     n, temperature = rollout.n_samples_per_prompt, rollout.rollout_temperature
     requests = [
@@ -89,7 +89,7 @@ def pretrain_eagle(cfg: RunConfig, out: Path, prompts: int, epochs: int) -> dict
 
 
 def recording_engine(
-    policy, tokenizer, max_batch: int, max_seq_len: int, seed: int, **decode_options
+    policy, tokenizer, max_batch: int, max_seq_len: int, seed: int, **engine_options
 ) -> Engine:
     """An engine that decodes plainly and keeps each sampled token's policy feature
     (`Sample.draft_features`): what an EAGLE head trains on."""
@@ -101,5 +101,5 @@ def recording_engine(
         max_seq_len=max_seq_len,
         seed=seed,
         speculator=recorder,
-        **decode_options,
+        **engine_options,
     )

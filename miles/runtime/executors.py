@@ -120,7 +120,7 @@ def local_engine(cfg: RunConfig, model, tokenizer, max_seq_len: int, speculator=
     rollout_cfg = cfg.rollout
     served = prepare_rollout_model(model, cfg).to(resolve_device(cfg.model.device))
     return Engine(served, tokenizer, rollout_cfg.rollout_max_batch_size, max_seq_len=max_seq_len,
-                  seed=rollout_cfg.rollout_seed, speculator=speculator, **rollout_cfg.decode_options())  # fmt: skip
+                  seed=rollout_cfg.rollout_seed, speculator=speculator, **rollout_cfg.engine_options())  # fmt: skip
 
 
 def with_adapters_served(cfg: RunConfig, executor: Executor) -> Executor:

@@ -86,14 +86,14 @@ class EngineActor:
         self.model_spec = model
         policy = registry.model_for(model, tp=(self.tp_rank, self.tp_size) if tp else None)
         policy.to(dev)
-        speculator, decode = None, {}
+        speculator, options = None, {}
         if run_cfg is not None:  # the run's configuration, as the driver resolved it (FP8, INT4, draft)
             from miles.quant.convert import prepare_rollout_model
             from miles.rollout.drafts import speculator_for
 
             speculator = speculator_for(run_cfg.speculative, policy, max_batch_size, max_seq_len)
             policy = prepare_rollout_model(policy, run_cfg)
-            decode = run_cfg.rollout.decode_options()
+            options = run_cfg.rollout.engine_options()
         self.engine = Engine(
             policy,
             None,
@@ -102,7 +102,7 @@ class EngineActor:
             seed=seed,
             speculator=speculator,
             eos_token_ids=eos_token_ids,
-            **decode,
+            **options,
         )
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
 

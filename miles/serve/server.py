@@ -368,7 +368,9 @@ class EngineServer:
             "version": f"miles-serve {__version__}",
             "model_path": self.model_path,
             "weight_version": self.engine.weight_version,
-            "max_total_num_tokens": self.engine.max_seq_len * self.engine.slots,
+            "max_total_num_tokens": min(
+                self.engine.kv_budget.tokens, self.engine.max_seq_len * self.engine.slots
+            ),
             "tp_size": 1,
         }
 
