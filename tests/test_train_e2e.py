@@ -368,3 +368,34 @@ def test_a_checkpoint_of_another_mode_or_format_is_said_or_refused(tmp_path, cap
     torch.save({**state, "format": 99}, state_file)
     with pytest.raises(CheckpointError, match="newer miles \\(checkpoint format 99"):
         train(load_config(small_run_args(tmp_path / "d", 3) + ["--load", str(ckpt)]))
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--async-weight-sync"],
+        ["--async-weight-sync", "--partial-rollout", "--over-sampling-batch-size", "6"],
+    ],
+    ids=["async", "async-partial"],
+)
+def test_extending_a_finished_run_continues_it_as_one_longer_run(tmp_path, mode):
+    """A finished 2-rollout run extended to 4 (the same command with --num-rollout 4 --load): its
+    last checkpoint holds the rollout a longer run would have generated ahead of it (and the
+    partial groups), so the extension's first rollout is the 4-rollout run's rollout 2 (async +
+    partial: later rollouts take weights in flight, at a moment the machine's timing picks, so
+    only that one is compared)."""
+    n = 4
+    args = small_run_args(tmp_path / "whole", n) + mode + ["--eval-size", "0"]
+    train(load_config(args))
+    part = (
+        small_run_args(tmp_path / "part", 2) + mode + ["--eval-size", "0", "--save", str(tmp_path / "ckpt")]
+    )
+    train(load_config(part))
+    extended = [a if a != "2" or b != "--num-rollout" else "4" for b, a in zip(["", *part], part)]
+    train(load_config(extended + ["--load", str(tmp_path / "ckpt")]))
+    whole, resumed = comparable(read_metrics(tmp_path / "whole")), comparable(read_metrics(tmp_path / "part"))
+    assert [r["rollout"] for r in resumed] == list(range(n))
+    compared = range(n) if "--partial-rollout" not in mode else [2]
+    for i in compared:
+        for k in whole[i]:
+            assert resumed[i][k] == pytest.approx(whole[i][k], rel=1e-5, abs=1e-6), (i, k)
