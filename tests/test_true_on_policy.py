@@ -116,6 +116,28 @@ def test_localize_names_a_stale_weight_sync_at_the_embedding(tmp_path, monkeypat
     assert result.parts[0].point == "model.embed_tokens" and result.parts[0].rel > 3 * result.tolerance
 
 
+def test_localize_names_the_one_layer_that_serves_in_fp8_at_every_position(tmp_path, capsys):
+    """--fp8-rollout-only with every decoder layer but one in --fp8-skip-layers (written as the
+    guide writes a skip list: quoted, comma-separated): for each of the default model's 4 layer
+    positions, the first divergence is that layer's attention, named with its index."""
+    from miles.cli import main
+    from miles.diagnostics.localize import localize
+    from miles.run import train
+
+    for layer in range(4):
+        skip = ",".join(f"layers.{i}." for i in range(4) if i != layer)
+        run = tmp_path / f"fp8-layer-{layer}"
+        flags = ["--fp8-recipe", "blockwise", "--fp8-rollout-only", "--fp8-skip-layers", skip]
+        train(load_config(small_run_args(run, 1) + [*DUMP, *flags]))
+        result = localize(run)
+        assert result.first_layer == layer and result.first.point == f"model.layers.{layer}.self_attn", skip
+        assert main(["doctor", "--localize-mismatch", str(run)]) == 1
+        assert (
+            f"first divergence: model.layers.{layer}.self_attn (decoder layer {layer}; "
+            in capsys.readouterr().out
+        )
+
+
 def test_localize_without_a_dump_says_which_flag_keeps_one(tmp_path):
     from miles.diagnostics.localize import localize
     from miles.errors import MilesError

@@ -71,6 +71,13 @@ class Localization:
     engine_step_gap: float | None = None  # max |recorded rollout log-prob - engine replay|
 
     @property
+    def first_layer(self) -> int | None:
+        """The decoder layer the first divergence is in (None: none, or outside the layers)."""
+        if self.first is None or not self.first.point.startswith("model.layers."):
+            return None
+        return int(self.first.point.split(".")[2])
+
+    @property
     def diverged(self) -> bool:
         return self.first is not None or bool(self.flips) or self.engine_step_diverged
 
@@ -279,8 +286,9 @@ def format_localization(result: Localization, step: str) -> str:
             f"  no divergence beyond rounding: the largest difference is {worst.rel:.2e} at {worst.point}"
         )
     else:
+        where = "" if result.first_layer is None else f"decoder layer {result.first_layer}; "
         lines.append(
-            f"  first divergence: {first.point} (max |diff| {first.max_abs:.3g}, relative {first.rel:.3g})"
+            f"  first divergence: {first.point} ({where}max |diff| {first.max_abs:.3g}, relative {first.rel:.3g})"
         )
         culprits = [p for p in result.parts if p.rel > result.tolerance]
         if culprits:
