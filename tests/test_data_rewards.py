@@ -152,3 +152,38 @@ def test_bad_reward_path():
         RewardRunner("exact", "no_such_module_xyz:f", False, 1.0)
     with pytest.raises(ConfigError, match="has no 'nope' to call; expected module:function"):
         RewardRunner("exact", "tests.test_data_rewards:nope", False, 1.0)
+
+
+def test_overlong_penalty_follows_dapos_formula():
+    """L_max 20, buffer 8, factor 0.5: nothing up to 12 tokens, then -0.5 x (n - 12) / 8, -0.5 at
+    the cap (DAPO eq. 13), and each sample's reward moves by exactly its penalty."""
+    from miles.data.sample import Sample
+    from miles.rewards.shaping import overlong_penalty, shape_overlong
+
+    want = {0: 0.0, 12: 0.0, 13: -0.0625, 16: -0.25, 20: -0.5}
+    assert {n: overlong_penalty(n, 20, 8, 0.5) for n in want} == want
+    samples = [Sample(response_length=n, reward=1.0) for n in (5, 16, 20, 20)]
+    metrics = shape_overlong(samples, 20, 8, 0.5)
+    assert [s.reward for s in samples] == [1.0, 0.75, 0.5, 0.5]
+    assert metrics == {"overlong_penalty_mean": -0.3125, "overlong_frac": 0.75}
+
+
+def test_a_run_whose_responses_reach_the_cap_shows_the_overlong_penalty(tmp_path):
+    """The default job's task with a 6-token cap and a 4-token buffer: responses are cut at the cap
+    (most of them), each loses up to the factor, and the step's metrics say so; accuracy is the
+    task's, before shaping, and a buffer as long as the cap is refused."""
+    from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.errors import ConfigError
+    from miles.run import train
+    from tests.conftest import small_run_args
+
+    args = small_run_args(tmp_path, 1) + ["--rollout-max-response-len", "6", "--eval-size", "0"]
+    train(load_config(args + ["--overlong-buffer-len", "4", "--overlong-penalty-factor", "0.5"]))
+    (step,) = read_metrics(tmp_path)
+    assert step["truncated_frac"] > 0 and step["overlong_frac"] >= step["truncated_frac"]
+    assert -0.5 <= step["overlong_penalty_mean"] <= -0.5 * step["truncated_frac"]
+    with pytest.raises(
+        ConfigError, match="--overlong-buffer-len 6 must be below --rollout-max-response-len 6"
+    ):
+        load_config(args + ["--overlong-buffer-len", "6"])

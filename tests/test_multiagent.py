@@ -400,7 +400,7 @@ def test_the_magnet_moves_the_kl_reference_to_the_policy_or_to_saved_weights():
         "kuhn_poker_alternating.yaml": 0.5,
         "kuhn_poker_simultaneous.yaml": 0,
     }
-    pulled = load_config(["--config", str(EXAMPLES / "kuhn_poker.yaml"), "--use-kl-loss"])
+    pulled = load_config(["--config", str(EXAMPLES / "kuhn_poker_alternating.yaml"), "--use-kl-loss"])
     assert pulled.co_evolution.magnet_kl_coef == 0  # a fixed pull asked for: no moving one
 
 
@@ -467,3 +467,35 @@ def test_a_driver_killed_mid_step_resumes_to_the_uninterrupted_run(tmp_path):
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     fired = [json.loads(line)["fault"] for line in (part / "faults_fired.jsonl").read_text().splitlines()]
     assert fired == ["driver@step:1"]
+
+
+def test_the_guides_remedy_on_the_symptom_config_turns_the_moving_reference_on(tmp_path, caplog):
+    """The symptom config (simultaneous, no pull by default) plus the guide's three flags as a user
+    adds them is the remedy with the moving KL reference (the same settings as
+    kuhn_poker_alternating.yaml); an explicit --magnet-kl-coef 0 with those remedies is warned at
+    start and named by `miles doctor`, whose remedy turns it back on."""
+    import yaml
+
+    from miles.config import load_config, to_dict
+    from miles.doctor.checks import CHECKS
+    from miles.doctor.run import load_run
+
+    symptom = ["--config", str(EXAMPLES / "kuhn_poker_simultaneous.yaml")]
+    guide = ["--strategy", "alternating", "--population-size", "4", "--co-evolution-interval", "20"]
+    assert load_config(symptom).co_evolution.magnet_kl_coef == 0
+    remedied = load_config([*symptom, *guide])
+    alternating = load_config(["--config", str(EXAMPLES / "kuhn_poker_alternating.yaml")])
+    assert remedied.co_evolution.magnet_kl_coef == 0.5
+    same = {k: v for k, v in to_dict(remedied).items() if k != "logging"}
+    assert same == {k: v for k, v in to_dict(alternating).items() if k != "logging"}
+    with caplog.at_level("WARNING", logger="miles"):
+        off = load_config([*symptom, *guide, "--magnet-kl-coef", "0"])
+    assert "--magnet-kl-coef 0 with --strategy alternating" in caplog.text
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(off)))
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"rollout": 0, "reward_mean": 0.0, "exploitability_avg": 0.667}\n'
+    )
+    found = CHECKS["co_evolution_no_pull"].run(load_run(tmp_path), None)
+    assert found and [r.flags for r in found.remedies] == [["--magnet-kl-coef", "0.5"]]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(remedied)))
+    assert CHECKS["co_evolution_no_pull"].run(load_run(tmp_path), None) is None

@@ -10,6 +10,7 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import logging
 import os
 import typing
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ import yaml
 
 from miles.config.schema import CoEvolutionSection, RunConfig, SpeculativeSection, env_switch
 from miles.errors import ConfigError
+
+log = logging.getLogger("miles")
 
 ENV_NOT_YET: dict[str, str] = {}  # environment variables of features not built yet: refused
 
@@ -480,14 +483,26 @@ def validate_co_evolution(cfg: RunConfig) -> None:
 
 
 def resolve_magnet(cfg: RunConfig) -> None:
-    """--magnet-kl-coef's default: on (0.5), except where --use-kl-loss asks for a fixed pull and
-    under LoRA (whose KL reference is its base)."""
+    """--magnet-kl-coef's default: on (0.5) where one agent learns against opponents that stand
+    still (--strategy alternating) or against past snapshots (--population-size): without the
+    pull that learner turns deterministic within its phase and play ends worse than plain
+    simultaneous updates; off for plain simultaneous updates (the run whose instability those
+    remedies address), where --use-kl-loss asks for a fixed pull, and under LoRA (whose KL
+    reference is its base). An explicit 0 with those remedies is warned about."""
     co, algo = cfg.co_evolution, cfg.algo
+    remedied = co.strategy == "alternating" or co.population_size is not None
     if co.magnet_kl_coef is None:
-        co.magnet_kl_coef = 0.0 if algo.use_kl_loss or cfg.lora.enabled else 0.5
+        co.magnet_kl_coef = 0.5 if remedied and not (algo.use_kl_loss or cfg.lora.enabled) else 0.0
     elif co.magnet_kl_coef > 0 and cfg.lora.enabled:
         raise ConfigError(
             "--magnet-kl-coef with --lora-rank: LoRA's KL reference is its base and cannot move"
+        )
+    elif co.magnet_kl_coef == 0 and remedied and not algo.use_kl_loss:
+        log.warning(
+            "--magnet-kl-coef 0 with %s: the learner turns deterministic within its phase (a policy at P = 1 "
+            "gets no gradient back) and play ends worse than simultaneous updates; drop magnet_kl_coef: 0 "
+            "(the default here is 0.5) or pass --magnet-kl-coef 0.5",
+            "--strategy alternating" if co.strategy == "alternating" else "--population-size",
         )
 
 
@@ -687,7 +702,22 @@ def validate(given: RunConfig) -> RunConfig:
     validate_agents(cfg)
     validate_opd(cfg)
     validate_faults(cfg)
+    validate_overlong(cfg)
     return cfg
+
+
+def validate_overlong(cfg: RunConfig) -> None:
+    """The punished buffer lies inside the response budget."""
+    buffer, cap = cfg.reward.overlong_buffer_len, cfg.rollout.rollout_max_response_len
+    if buffer >= cap:
+        raise ConfigError(
+            f"--overlong-buffer-len {buffer} must be below --rollout-max-response-len {cap}: the penalty starts "
+            f"{buffer} tokens before the cap; e.g. --overlong-buffer-len {max(1, cap // 4)}"
+        )
+    if cfg.reward.overlong_penalty_factor != 1.0 and not buffer:
+        raise ConfigError(
+            "--overlong-penalty-factor scales --overlong-buffer-len's penalty; add --overlong-buffer-len L"
+        )
 
 
 def validate_faults(cfg: RunConfig) -> None:

@@ -249,6 +249,15 @@ class RewardSection:
         "killed and replaced)",
         bounds="[1, inf)",
     )
+    overlong_buffer_len: int = option(
+        0,
+        "DAPO's soft overlong punishment: a response longer than --rollout-max-response-len minus L tokens loses "
+        "reward linearly, up to --overlong-penalty-factor at the cap (0: off)",
+        bounds="[0, inf)",
+    )
+    overlong_penalty_factor: float = option(
+        1.0, "the reward an overlong response loses at --rollout-max-response-len", bounds="(0, inf)"
+    )
     reward_timeout: float = option(
         30.0,
         "seconds before a reward call counts as failed (reward 0) and its process is killed",
@@ -969,7 +978,8 @@ class CoEvolutionSection:
         None,
         "KL pull of each agent towards its own policy at the last --co-evolution-interval boundary, a reference "
         "that moves with it: no collapse to a pure strategy within a phase, no anchor at the start (an agent with "
-        "--use-kl-loss keeps that fixed pull). Default 0.5; 0 turns it off",
+        "--use-kl-loss keeps that fixed pull). Default: 0.5 with --strategy alternating or --population-size (a "
+        "learner facing fixed opponents needs it), 0 for plain simultaneous updates; 0 turns it off",
         bounds="[0, inf)",
     )
     action_warmup_steps: int = option(

@@ -676,6 +676,37 @@ def _frozen(last_half: list[float]) -> bool:
     return max(end) - min(end) < 0.01
 
 
+@check("co_evolution_no_pull", "co-evolution: alternating updates or a population with no KL pull")
+def co_evolution_no_pull(run: RunRecord, compare: RunRecord | None):
+    """The guide's remedies (alternating, a population) with --magnet-kl-coef 0 and no fixed pull:
+    the learner turns deterministic within its phase, measured worse than the symptom they treat."""
+    if not run.setting("co_evolution.env_path"):
+        return None
+    strategy, population = run.setting("co_evolution.strategy"), run.setting("co_evolution.population_size")
+    pulled = run.setting("algo.use_kl_loss") and (run.setting("algo.kl_loss_coef") or 0) > 0
+    if (strategy != "alternating" and not population) or pulled or run.setting("co_evolution.magnet_kl_coef"):
+        return None
+    evidence = [
+        Evidence("magnet_kl_coef", 0.0, note=f"strategy {strategy}, population {population or 'none'}")
+    ]
+    last = [
+        r["exploitability_avg"] for r in run.steps if isinstance(r.get("exploitability_avg"), (int, float))
+    ]
+    if last:
+        evidence.append(Evidence("exploitability_avg", last[-1], note="the average policy at the end"))
+    return (
+        "alternating updates and populations need the moving KL reference: without it the learner turns "
+        "deterministic within its phase (a policy at P = 1 gets no gradient back), and play ends worse than plain "
+        "simultaneous updates",
+        evidence,
+        [
+            Remedy(
+                ["--magnet-kl-coef", "0.5"], "the default with these strategies; an explicit 0 turned it off"
+            )
+        ],
+    )
+
+
 @check("co_evolution_instability", "co-evolution: the agents oscillate, or one dominates")
 def co_evolution_instability(run: RunRecord, compare: RunRecord | None):
     steps = run.steps

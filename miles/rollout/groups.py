@@ -17,6 +17,7 @@ from miles.data.trajectory import AGENT_ERROR, agent_metrics
 from miles.errors import MilesError
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardRunner
+from miles.rewards.shaping import shape_overlong
 from miles.rollout.sampling import Request, SamplingParams
 
 
@@ -93,9 +94,16 @@ def score_and_filter(
     failed = rewards.score_groups(groups)
     samples = [s for g in groups for s in g]
     rewards.check_rollout(failed, len(samples), rollout_id)
+    accuracy = sum(s.reward >= 1.0 for s in samples) / len(samples)  # the task's, before any shaping
+    shaped = {}
+    if buffer := cfg.reward.overlong_buffer_len:
+        shaped = shape_overlong(
+            samples, cfg.rollout.rollout_max_response_len, buffer, cfg.reward.overlong_penalty_factor
+        )
     metrics = {
         "reward_mean": sum(s.reward for s in samples) / len(samples),
-        "accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
+        "accuracy": accuracy,
+        **shaped,
         "response_len_mean": sum(s.response_length for s in samples) / len(samples),
         "truncated_frac": sum(s.status.value == "truncated" for s in samples) / len(samples),
         "reward_failed": failed,
