@@ -53,8 +53,14 @@ def test_dpo_on_the_default_task_pairs_learns_the_preference_and_logs_it(tmp_pat
         assert [r["rollout"] for r in rows] == list(range(12))
         assert rows[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)  # the policy is its reference
         late = rows[-4:]
-        assert sum(r["rewards/margins"] for r in late) / 4 > 0.02, (lora, [r["rewards/margins"] for r in rows])
-        assert sum(r["rewards/accuracies"] for r in late) / 4 > 0.6, (lora, [r["rewards/accuracies"] for r in rows])
+        assert sum(r["rewards/margins"] for r in late) / 4 > 0.02, (
+            lora,
+            [r["rewards/margins"] for r in rows],
+        )
+        assert sum(r["rewards/accuracies"] for r in late) / 4 > 0.6, (
+            lora,
+            [r["rewards/accuracies"] for r in rows],
+        )
         assert all(r["loss"] > 0 and "rewards/chosen" in r and "rewards/rejected" in r for r in rows)
 
 

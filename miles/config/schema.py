@@ -977,9 +977,8 @@ class CoEvolutionSection:
     magnet_kl_coef: float | None = option(
         None,
         "KL pull of each agent towards its own policy at the last --co-evolution-interval boundary, a reference "
-        "that moves with it: no collapse to a pure strategy within a phase, no anchor at the start (an agent with "
-        "--use-kl-loss keeps that fixed pull). Default: 0.5 with --strategy alternating or --population-size (a "
-        "learner facing fixed opponents needs it), 0 for plain simultaneous updates; 0 turns it off",
+        "that moves with it (an agent with --use-kl-loss keeps that fixed pull). Default: 0.5 with --strategy "
+        "alternating or --population-size, which need it; 0 for plain simultaneous updates",
         bounds="[0, inf)",
     )
     action_warmup_steps: int = option(

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from miles.config.schema import RunConfig
+from miles.diagnostics.metrics_file import MetricsLogger
 from miles.errors import ConfigError
 from miles.models import registry
 from miles.models.checkpoint import save_model
@@ -49,7 +50,7 @@ from miles.multiagent.episodes import EnvSpec, role_advantages
 from miles.rollout import SamplingParams
 from miles.runtime.executors import Executor, build_executor
 from miles.runtime.faults import FaultInjector
-from miles.runtime.metrics import MetricsLogger, run_dir_for
+from miles.runtime.metrics import run_dir_for
 from miles.runtime.parts import Parts, RunPart, Step, due
 from miles.runtime.profiling import ProfilerPart
 from miles.runtime.train_state import latest_checkpoint

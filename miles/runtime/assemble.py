@@ -22,6 +22,7 @@ from miles.config import to_dict
 from miles.config.schema import RunConfig
 from miles.data.run_data import RunData, build_data
 from miles.devices import resolve_device
+from miles.diagnostics.metrics_file import MetricsLogger
 from miles.errors import ConfigError, MilesError
 from miles.models import registry
 from miles.rewards.functions import load_function
@@ -36,7 +37,7 @@ from miles.runtime.faults import FaultInjector
 from miles.runtime.feed import RolloutFeed
 from miles.runtime.learner import Learner
 from miles.runtime.loop import Run, run_loop
-from miles.runtime.metrics import MetricsLogger, run_dir_for
+from miles.runtime.metrics import run_dir_for
 from miles.runtime.mismatch import MismatchDumpPart
 from miles.runtime.parts import Parts, RunPart
 from miles.runtime.precision import PrecisionWarmup

@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from miles.config.schema import RunConfig
+from miles.diagnostics.metrics_file import MetricsLogger
 from miles.rewards.runner import RewardRunner
 from miles.rollout.evaluation import EvalSet, evaluate_all
 from miles.runtime.executors import local_engine
 from miles.runtime.feed import RolloutFeed
-from miles.runtime.metrics import MetricsLogger
 from miles.runtime.parts import RunPart, Step, due
 from miles.runtime.protocols import HostsDraft, Trainer
 from miles.sync.strategy import InProcessBuckets

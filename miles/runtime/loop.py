@@ -19,10 +19,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from miles.config.schema import RunConfig
+from miles.diagnostics.metrics_file import MetricsLogger
 from miles.runtime.executors import Executor
 from miles.runtime.feed import RolloutFeed
 from miles.runtime.learner import Learner
-from miles.runtime.metrics import MetricsLogger
 from miles.runtime.parts import Parts, Step, due
 from miles.runtime.train_state import resume, save_checkpoint
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from miles.algo.preference import LOSS_TYPES, preference_loss, sequence_logps
 from miles.data.prompts import PromptItem, read_records, task_prompts
 from miles.data.sample import Sample
+from miles.diagnostics.metrics_file import MetricsLogger
 from miles.errors import ConfigError
 from miles.lora.adapters import DEFAULT_TARGETS, LoraSpec, add_adapters, disabled, parse_targets
 from miles.lora.peft_files import export_lora
@@ -31,7 +32,6 @@ from miles.models import registry
 from miles.models.checkpoint import save_model
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardRunner
-from miles.runtime.metrics import MetricsLogger
 from miles.train.batch import forward_logprobs, pack_samples
 from miles.train.sft import greedy_accuracy
 
