@@ -242,27 +242,81 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def cmd_dpo(args: argparse.Namespace) -> int:
-    import json
+def add_pair_flags(
+    parser: argparse.ArgumentParser, steps: int, lr: float, eval_every: int, output_dir: str
+) -> None:
+    """The flags `miles dpo` and `miles rm` share: the model, the pairs, the loop, where results go."""
+    parser.add_argument("--model", default="tiny", help="model to start from")
+    parser.add_argument(
+        "--task", default="basic_arithmetic", help="reasoning-gym task the pairs are built from"
+    )
+    parser.add_argument(
+        "--task-config", help="JSON keyword arguments for the task (default: the default job's)"
+    )
+    parser.add_argument(
+        "--data", help="JSONL or Parquet file of pairs: prompt, chosen, rejected (replaces --task)"
+    )
+    parser.add_argument("--no-chat", action="store_true", help="prompts as raw text, no chat template")
+    parser.add_argument("--steps", type=number(int, 1), default=steps, help="optimizer steps")
+    parser.add_argument("--batch-size", type=number(int, 1), default=16, help="pairs per step")
+    parser.add_argument("--lr", type=number(float, 0, low_open=True), default=lr, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the pairs and their order")
+    parser.add_argument(
+        "--eval-every", type=number(int, 1), default=eval_every, help="steps between held-out evaluations"
+    )
+    parser.add_argument(
+        "--eval-size", type=number(int, 0), default=200, help="held-out problems or pairs (0: none)"
+    )
+    parser.add_argument(
+        "--output-dir", default=output_dir, help="where metrics.jsonl goes (miles plot reads it)"
+    )
+    parser.add_argument(
+        "--save", help="write the model here (an HF checkpoint; with --lora-rank the PEFT adapter)"
+    )
 
-    from miles.config.loader import field_values
-    from miles.train.dpo import DPOConfig, run_dpo
+
+def pair_values(args: argparse.Namespace) -> dict:
+    """`add_pair_flags`' values as the configs of `miles dpo` and `miles rm` name them."""
+    import json
 
     try:
         task_config = json.loads(args.task_config) if args.task_config else None
     except json.JSONDecodeError as e:
         raise MilesError(f"--task-config is not valid JSON: {e}") from e
-    cfg = DPOConfig(
+    return dict(
         model=args.model, task=None if args.data else args.task, task_config=task_config, data=args.data,
-        chat=not args.no_chat, steps=args.steps, batch_size=args.batch_size, lr=args.lr, beta=args.beta,
-        loss_type=args.loss_type, length_normalize=args.length_normalize, seed=args.seed, eval_every=args.eval_every,
-        eval_size=args.eval_size, output_dir=args.output_dir, save=args.save,
-        **field_values(args, names=SFT_LORA_FIELDS),
+        chat=not args.no_chat, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        eval_every=args.eval_every, eval_size=args.eval_size, output_dir=args.output_dir, save=args.save,
     )  # fmt: skip
+
+
+def cmd_dpo(args: argparse.Namespace) -> int:
+    from miles.config.loader import field_values
+    from miles.train.dpo import DPOConfig, run_dpo
+
+    cfg = DPOConfig(
+        **pair_values(args),
+        beta=args.beta,
+        loss_type=args.loss_type,
+        length_normalize=args.length_normalize,
+        **field_values(args, names=SFT_LORA_FIELDS),
+    )
     result = run_dpo(cfg)
     print(
         f"miles dpo: {result['steps']} steps, loss {result['loss']:.4f}, held-out accuracy "
         f"{result['eval_accuracy']:.3f}; metrics in {result['run_dir']}/metrics.jsonl"
+    )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from miles.train.reward_training import RMConfig, run_rm
+
+    result = run_rm(RMConfig(**pair_values(args)))
+    print(
+        f"miles rm: {result['steps']} steps, loss {result['loss']:.4f}, held-out pairwise accuracy "
+        f"{result['eval_pairwise_accuracy']:.3f}; metrics in {result['run_dir']}/metrics.jsonl"
+        + (f"; score rollouts with --rm-type model --rm-path {args.save}" if args.save else "")
     )
     return 0
 
@@ -414,16 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reference is the starting policy (with LoRA: its base). See docs/preference.md.",
         formatter_class=DefaultsOnce,
     )
-    dpo.add_argument("--model", default="tiny", help="model to start from")
-    dpo.add_argument("--task", default="basic_arithmetic", help="reasoning-gym task the pairs are built from")
-    dpo.add_argument("--task-config", help="JSON keyword arguments for the task (default: the default job's)")
-    dpo.add_argument(
-        "--data", help="JSONL or Parquet file of pairs: prompt, chosen, rejected (replaces --task)"
-    )
-    dpo.add_argument("--no-chat", action="store_true", help="prompts as raw text, no chat template")
-    dpo.add_argument("--steps", type=number(int, 1), default=200, help="optimizer steps")
-    dpo.add_argument("--batch-size", type=number(int, 1), default=16, help="pairs per step")
-    dpo.add_argument("--lr", type=number(float, 0, low_open=True), default=1e-4, help="AdamW learning rate")
+    add_pair_flags(dpo, steps=200, lr=1e-4, eval_every=50, output_dir="runs/dpo")
     dpo.add_argument("--beta", type=number(float, 0, low_open=True), default=0.1, help="the KL strength beta")
     dpo.add_argument(
         "--loss-type", choices=("sigmoid", "ipo"), default="sigmoid", help="sigmoid: DPO; ipo: IPO"
@@ -431,17 +476,19 @@ def build_parser() -> argparse.ArgumentParser:
     dpo.add_argument(
         "--length-normalize", action="store_true", help="average each response's log-probs over its tokens"
     )
-    dpo.add_argument("--seed", type=int, default=0, help="seed of the pairs and their order")
-    dpo.add_argument(
-        "--eval-every", type=number(int, 1), default=50, help="steps between held-out evaluations"
-    )
-    dpo.add_argument("--eval-size", type=number(int, 0), default=200, help="held-out task problems (0: none)")
-    dpo.add_argument(
-        "--output-dir", default="runs/dpo", help="where metrics.jsonl goes (miles plot reads it)"
-    )
-    dpo.add_argument("--save", help="write the model (HF checkpoint; with --lora-rank the PEFT adapter) here")
     add_field_flags(dpo, list(SFT_LORA_FIELDS))
     dpo.set_defaults(func=cmd_dpo)
+
+    rm = sub.add_parser(
+        "rm",
+        help="train a Bradley-Terry reward model on preference pairs",
+        description="A reward model (the policy's network with a scalar head) trained on (prompt, chosen, "
+        "rejected) pairs: a JSONL/Parquet file with TRL's columns, or pairs built from a task. Saved as an HF "
+        "checkpoint that miles train scores rollouts with (--rm-type model --rm-path DIR). See docs/preference.md.",
+        formatter_class=DefaultsOnce,
+    )
+    add_pair_flags(rm, steps=600, lr=1e-3, eval_every=100, output_dir="runs/rm")
+    rm.set_defaults(func=cmd_rm)
 
     sft = sub.add_parser(
         "sft",

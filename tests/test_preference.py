@@ -81,3 +81,63 @@ def test_dpo_reads_trl_columns_and_names_a_file_without_them(tmp_path):
         ConfigError, match="TRL's columns prompt, chosen, rejected; missing \\['chosen', 'rejected'\\]"
     ):
         run_dpo(DPOConfig(data=str(pairs), steps=1, output_dir=str(tmp_path / "p")))
+
+
+def test_a_reward_model_learns_its_pairs_and_scores_a_run_as_it_scores_alone(tmp_path):
+    """`miles rm` on 8 fixed pairs of a file fits them (every chosen answer scores higher); the
+    saved HF checkpoint (*ForSequenceClassification, one label) loads back to the same scores; a
+    1-step `miles train --rm-type model` gives each sample the reward model's score of its tokens
+    and still counts accuracy by the task's own verdict."""
+    from miles.config import load_config
+    from miles.data.prompts import task_prompts
+    from miles.data.sample import Sample
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.models import registry
+    from miles.rewards.reward_model import ModelReward, load_reward_model, sequence_rewards
+    from miles.rewards.runner import RewardRunner
+    from miles.run import train
+    from miles.train.dpo import DEFAULT_TASK_CONFIG, file_pairs
+    from miles.train.reward_training import RMConfig, pairwise_accuracy, run_rm
+    from tests.conftest import small_run_args
+
+    items, dataset = task_prompts("basic_arithmetic", 8, 3, DEFAULT_TASK_CONFIG)
+    rows = [{"prompt": i.prompt, "chosen": str(i.label), "rejected": str(int(i.label) + 3)} for i in items]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    save = tmp_path / "rm"
+    run_rm(
+        RMConfig(
+            data=str(data),
+            eval_size=0,
+            steps=30,
+            batch_size=8,
+            output_dir=str(tmp_path / "o"),
+            save=str(save),
+        )
+    )
+    config = json.loads((save / "config.json").read_text())
+    assert config["num_labels"] == 1 and config["architectures"][0].endswith("ForSequenceClassification")
+    model = load_reward_model(save)
+    _, tok = registry.load("tiny")
+    assert pairwise_accuracy(model, file_pairs(str(data)), tok, chat=True) == 1.0
+    sample = Sample(tokens=tok("What is 2 + 3? 5").input_ids)
+    assert ModelReward(str(save)).score([sample]) == pytest.approx(
+        sequence_rewards(model, [sample.tokens]).tolist()
+    )
+    with pytest.raises(ConfigError, match="not a reward model"):
+        load_reward_model(registry.model_path("tiny"))
+
+    out = tmp_path / "rl"
+    cfg = load_config(
+        small_run_args(out, 1) + ["--rm-type", "model", "--rm-path", str(save), "--eval-size", "0"]
+    )
+    runner = RewardRunner.from_config(cfg, dataset)
+    assert isinstance(runner.model_reward, ModelReward)
+    train(cfg)
+    (step,) = read_metrics(out)
+    assert 0 <= step["accuracy"] <= 1 and step["reward_mean"] not in (
+        0.0,
+        1.0,
+    )  # a proxy score, a task verdict
+    with pytest.raises(ConfigError, match="--rm-type model needs --rm-path"):
+        load_config(small_run_args(out, 1) + ["--rm-type", "model"])

@@ -218,9 +218,11 @@ class RewardSection:
         "auto",
         "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym, code (the response's "
         "program run on the label's tests in a sandbox: the fraction passed); remote_rm (an HTTP reward server at "
-        "--rm-url) or llm_judge (a judge model behind the OpenAI-compatible --rm-url)",
-        choices=("auto", "exact", "boxed", "reasoning_gym", "code", "remote_rm", "llm_judge"),
+        "--rm-url), llm_judge (a judge model behind the OpenAI-compatible --rm-url) or model (the reward model "
+        "at --rm-path)",
+        choices=("auto", "exact", "boxed", "reasoning_gym", "code", "remote_rm", "llm_judge", "model"),
     )
+    rm_path: str | None = option(None, "--rm-type model: the reward model `miles rm --save` wrote")
     rm_url: str | None = option(
         None,
         "remote_rm: the reward server (POST one sample, or --rm-batch-size of them, get rewards); llm_judge: the "
@@ -285,6 +287,12 @@ class RewardSection:
                 f"--rm-type {self.rm_type} needs --rm-url URL (its server)"
                 if self.rm_url is None
                 else "--rm-url is the server of --rm-type remote_rm or llm_judge; add one of them"
+            )
+        if (self.rm_type == "model") != (self.rm_path is not None):
+            raise ConfigError(
+                "--rm-type model needs --rm-path DIR (a reward model miles rm saved)"
+                if self.rm_path is None
+                else "--rm-path is the reward model of --rm-type model; add --rm-type model"
             )
         if self.judge_template is not None:
             if self.rm_type != "llm_judge":

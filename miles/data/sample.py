@@ -51,6 +51,12 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def correct(self) -> bool:
+        """Whether the task counts the response right: its reward is at least 1 (with a reward
+        model's proxy score as the reward, the task's own verdict, metadata["task_reward"])."""
+        return self.metadata.get("task_reward", self.reward) >= 1.0
+
+    @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 

@@ -23,6 +23,7 @@ from miles.rewards.builtin import boxed_answer, exact_match
 from miles.rewards.code import CodeLimits, code_rewards
 from miles.rewards.functions import load_function
 from miles.rewards.remote import JUDGE_TEMPLATE, JudgeReward, RemoteReward
+from miles.rewards.reward_model import ModelReward
 from miles.rewards.workers import RewardFailure, RewardWorkers
 
 log = logging.getLogger("miles")
@@ -53,9 +54,12 @@ class RewardRunner:
         num_workers: int = 4,
         remote: RemoteReward | None = None,
         code_limits: CodeLimits | None = None,
+        model_reward: ModelReward | None = None,
     ) -> None:
+        """`model_reward`: --rm-type model's reward model (the task's own scorer, where there is a
+        task, still gives each sample's `task_reward`: the verifiable accuracy beside the proxy)."""
         self.timeout, self.group_rm, self.task_dataset = timeout, group_rm, task_dataset
-        self.custom_path, self.remote = custom_path, remote
+        self.custom_path, self.remote, self.model_reward = custom_path, remote, model_reward
         self.code_limits, self.num_workers = code_limits or CodeLimits(), num_workers
         self.workers = None
         if custom_path:
@@ -96,12 +100,15 @@ class RewardRunner:
             remote = JudgeReward(rc.rm_url, rc.judge_model, template, rc.reward_timeout, rc.rm_max_concurrency,
                                  rc.rm_retries)  # fmt: skip
         limits = CodeLimits(rc.code_timeout, math.ceil(rc.code_timeout), rc.code_memory_mb, rc.code_file_mb)
+        model_reward = ModelReward(rc.rm_path, rc.rm_batch_size) if rc.rm_type == "model" else None
         return cls(rc.rm_type, rc.custom_rm_path, rc.group_rm, rc.reward_timeout, task_dataset,
-                   rc.reward_num_workers, remote, limits)  # fmt: skip
+                   rc.reward_num_workers, remote, limits, model_reward)  # fmt: skip
 
     def _rewards(self, groups: Sequence[Sequence[Sample]]) -> list[Any]:
         """One raw result per sample, in order (a value or a `RewardFailure`)."""
         samples = [s for g in groups for s in g]
+        if self.model_reward is not None:
+            return self.model_reward.score(samples)
         if self.remote is not None and self.workers is None:
             return self.remote.map(samples)
         if self.workers is None and self.rm_type == "code":
@@ -137,6 +144,10 @@ class RewardRunner:
                 s.reward = reward
                 if isinstance(raw, dict):
                     s.metadata["reward_info"] = {k: v for k, v in raw.items() if k != "score"}
+            if self.model_reward is not None and self.task_dataset is not None:
+                s.metadata["task_reward"] = float(
+                    self.task_dataset.score_answer(s.response.strip(), s.metadata["rg_entry"])
+                )
         return failed
 
     def _report(self, failure: RewardFailure) -> None:

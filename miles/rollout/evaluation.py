@@ -50,7 +50,7 @@ class EvalSet:
 
 
 def evaluate(engine, eval_set: EvalSet, cfg: RunConfig, rewards: RewardRunner, mode=None) -> dict[str, float]:
-    """One set's metrics: accuracy (reward 1) and mean reward over every sample, mean response
+    """One set's metrics: accuracy (`Sample.correct`) and mean reward over every sample, mean response
     length, and with n > 1 pass@k (a forking agent's last branch counts per sample)."""
     n = eval_set.n_samples
     temperature = eval_set.temperature
@@ -63,12 +63,12 @@ def evaluate(engine, eval_set: EvalSet, cfg: RunConfig, rewards: RewardRunner, m
     samples = [s for g in groups for s in g]
     p = eval_set.prefix()
     out = {
-        f"{p}accuracy": sum(s.reward >= 1.0 for s in samples) / len(samples),
+        f"{p}accuracy": sum(s.correct for s in samples) / len(samples),
         f"{p}reward": sum(s.reward for s in samples) / len(samples),
         f"{p}response_len": sum(s.response_length for s in samples) / len(samples),
     }
     if n > 1:
-        correct = [sum(s.reward >= 1.0 for s in g) for g in groups]
+        correct = [sum(s.correct for s in g) for g in groups]
         for k in ks(n):
             out[f"{p}pass@{k}"] = sum(pass_at_k(len(g), c, k) for g, c in zip(groups, correct)) / len(groups)
     return out

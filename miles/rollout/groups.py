@@ -94,7 +94,8 @@ def score_and_filter(
     failed = rewards.score_groups(groups)
     samples = [s for g in groups for s in g]
     rewards.check_rollout(failed, len(samples), rollout_id)
-    accuracy = sum(s.reward >= 1.0 for s in samples) / len(samples)  # the task's, before any shaping
+    # the task's, before any shaping (a reward model's scores are a proxy: the task's own verdict counts)
+    accuracy = sum(s.correct for s in samples) / len(samples)
     shaped = {}
     if buffer := cfg.reward.overlong_buffer_len:
         shaped = shape_overlong(

@@ -47,7 +47,9 @@ DEFAULT_TASK_CONFIG = {
 
 
 @dataclass
-class DPOConfig:
+class PairRunConfig:
+    """What `miles dpo` and `miles rm` share: the model, the pairs, the loop, where results go."""
+
     model: str = "tiny"
     task: str | None = "basic_arithmetic"
     task_config: dict | None = None  # default: the default job's problems
@@ -56,14 +58,18 @@ class DPOConfig:
     steps: int = 200
     batch_size: int = 16
     lr: float = 1e-4
-    beta: float = 0.1
-    loss_type: str = "sigmoid"
-    length_normalize: bool = False
     seed: int = 0
     eval_every: int = 50
     eval_size: int = 200
     output_dir: str = "runs/dpo"
     save: str | None = None
+
+
+@dataclass
+class DPOConfig(PairRunConfig):
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    length_normalize: bool = False
     lora_rank: int = 0
     lora_alpha: float | None = None
     lora_target_modules: str = ",".join(DEFAULT_TARGETS)
