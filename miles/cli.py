@@ -84,10 +84,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_reward_model(args: argparse.Namespace, path: str) -> int:
+    """`miles serve --model DIR` where DIR holds a reward model: POST /reward answers scores."""
+    import time
+
+    from miles.models.registry import tokenizer_for
+    from miles.rewards.reward_model import load_reward_model
+    from miles.serve.reward_server import RewardServer
+
+    server = RewardServer(
+        load_reward_model(path, "--model"), tokenizer_for(path), args.host, args.port
+    ).start()
+    print(
+        f"miles serve: reward model {path} on {server.url} (POST /reward, GET /health); use it with "
+        f"--rm-type remote_rm --rm-url {server.url}/reward; Ctrl-C stops",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import time
 
     from miles.models import registry
+    from miles.rewards.reward_model import is_reward_model
     from miles.rollout.drafts import speculator_for
     from miles.rollout.engine import Engine
     from miles.rollout.kv_budget import check_weights_fit
@@ -102,6 +127,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "(--online-sft-interval); serve one trained by miles draft (--eagle-head FILE), or --draft-model ngram, auto "
             "or a draft checkpoint path"
         )
+    if is_reward_model(cfg.model.model):  # miles rm's checkpoint: scores for --rm-type remote_rm
+        return serve_reward_model(args, cfg.model.model)
     check_weights_fit(cfg.model.model, registry.config_for(cfg.model.model))
     model, tokenizer = registry.load(cfg.model.model)
     context = model.config.max_position_embeddings

@@ -141,3 +141,24 @@ def test_a_reward_model_learns_its_pairs_and_scores_a_run_as_it_scores_alone(tmp
     )  # a proxy score, a task verdict
     with pytest.raises(ConfigError, match="--rm-type model needs --rm-path"):
         load_config(small_run_args(out, 1) + ["--rm-type", "model"])
+
+    # served (miles serve --model DIR finds a reward model there): --rm-type remote_rm gets the same scores
+    from miles.models.tokenizer import encode_prompt
+    from miles.rewards.remote import RemoteReward
+    from miles.rewards.reward_model import is_reward_model
+    from miles.serve.reward_server import RewardServer
+
+    assert is_reward_model(save) and not is_reward_model(registry.model_path("tiny"))
+    server = RewardServer(model, tok, port=0).start()
+    try:
+        asked = [Sample(prompt=r["prompt"], response=r["chosen"]) for r in rows[:3]]
+        tokens = [
+            encode_prompt(tok, s.prompt, True) + tok(s.response).input_ids + [tok.eos_token_id] for s in asked
+        ]
+        want = sequence_rewards(model, tokens).tolist()
+        for batch in (1, 3):
+            got = RemoteReward(server.url + "/reward", 30.0, batch_size=batch).map(asked)
+            scores = [g["score"] if isinstance(g, dict) else g for g in got]
+            assert scores == pytest.approx(want, abs=1e-5), batch
+    finally:
+        server.shutdown()

@@ -65,6 +65,17 @@ def save_reward_model(model: Transformer, path: str | Path, tokenizer=None) -> P
     return Path(path)
 
 
+def is_reward_model(path: str | Path) -> bool:
+    """Whether `path` holds a reward model (one label, *ForSequenceClassification)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return False
+    config = json.loads(config_file.read_text())
+    return config.get("num_labels") == 1 and config.get("architectures", [""])[0].endswith(
+        "ForSequenceClassification"
+    )
+
+
 def load_reward_model(path: str | Path, flag: str = "--rm-path") -> Transformer:
     """The reward model `save_reward_model` wrote (checked tensor by tensor)."""
     path = Path(path)
