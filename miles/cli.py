@@ -84,22 +84,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_reward_model(args: argparse.Namespace, path: str) -> int:
-    """`miles serve --model DIR` where DIR holds a reward model: POST /reward answers scores."""
+def serve_until_stopped(args: argparse.Namespace, make_server, describe) -> int:
+    """Start the server `make_server` builds and serve until Ctrl-C; a port that cannot be
+    listened on is a clear error."""
     import time
 
-    from miles.models.registry import tokenizer_for
-    from miles.rewards.reward_model import load_reward_model
-    from miles.serve.reward_server import RewardServer
-
-    server = RewardServer(
-        load_reward_model(path, "--model"), tokenizer_for(path), args.host, args.port
-    ).start()
-    print(
-        f"miles serve: reward model {path} on {server.url} (POST /reward, GET /health); use it with "
-        f"--rm-type remote_rm --rm-url {server.url}/reward; Ctrl-C stops",
-        flush=True,
-    )
+    try:
+        server = make_server().start()
+    except OSError as e:
+        raise MilesError(
+            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); is another server on "
+            "that port? Pick another --port (0: any free one)"
+        ) from e
+    print(f"miles serve: {describe(server.url)}; Ctrl-C stops", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -108,8 +105,24 @@ def serve_reward_model(args: argparse.Namespace, path: str) -> int:
     return 0
 
 
+def serve_reward_model(args: argparse.Namespace, path: str) -> int:
+    """`miles serve --model DIR` where DIR holds a reward model: POST /reward answers scores."""
+    from miles.models.registry import tokenizer_for
+    from miles.rewards.reward_model import load_reward_model
+    from miles.serve.reward_server import RewardServer
+
+    model = load_reward_model(path, "--model")
+    return serve_until_stopped(
+        args,
+        lambda: RewardServer(model, tokenizer_for(path), args.host, args.port),
+        lambda url: (
+            f"reward model {path} on {url} (POST /reward, GET /health); use it with --rm-type remote_rm "
+            f"--rm-url {url}/reward"
+        ),
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    import time
 
     from miles.models import registry
     from miles.rewards.reward_model import is_reward_model
@@ -145,23 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculator=speculator_for(cfg.speculative, model, slots, max_seq_len),
         **cfg.rollout.engine_options(),
     )
-    try:
-        server = EngineServer(engine, host=args.host, port=args.port, model_path=cfg.model.model).start()
-    except OSError as e:
-        raise MilesError(
-            f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); is another server on "
-            "that port? Pick another --port (0: any free one)"
-        ) from e
-    print(
-        f"miles serve: {cfg.model.model} on {server.url} (POST /generate, GET /health); Ctrl-C stops",
-        flush=True,
+    return serve_until_stopped(
+        args,
+        lambda: EngineServer(engine, host=args.host, port=args.port, model_path=cfg.model.model),
+        lambda url: f"{cfg.model.model} on {url} (POST /generate, GET /health)",
     )
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
-    return 0
 
 
 def default_job_argv(rest: list[str]) -> list[str]:
