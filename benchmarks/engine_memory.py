@@ -152,7 +152,17 @@ def main() -> None:
         print(f"| `miles generate --model <gguf> --max-new-tokens 256` | {peak:.2f} GiB | {seconds:.0f} s |")
     if args.only in (None, "train"):
         out = Path("runs/engine_memory_train")
-        cmd = [*MILES, "train", "--model", "smollm2", "--num-rollout", "2", "--output-dir", str(out), "--no-progress"]
+        cmd = [
+            *MILES,
+            "train",
+            "--model",
+            "smollm2",
+            "--num-rollout",
+            "2",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+        ]
         peak, seconds, _ = peak_of(cmd, 1800)
         print(f"| `miles train --model smollm2 --num-rollout 2` | {peak:.2f} GiB | {seconds:.0f} s |")
 
