@@ -27,6 +27,9 @@ PANELS = [
         ["mem_driver_peak_rss_gb", "mem_train_peak_rss_gb", "mem_rollout_peak_rss_gb"],
     ),  # per-step peak GB
     ("loss", ["pg_loss", "entropy"]),
+    ("overlong", ["overlong_penalty_mean", "overlong_frac"]),  # --overlong-buffer-len
+    ("preference", ["rewards/chosen", "rewards/rejected", "rewards/margins"]),  # miles dpo
+    ("preference_accuracy", ["rewards/accuracies", "eval_pairwise_accuracy"]),  # miles dpo, miles rm
     ("tis", ["tis_clipfrac", "pg_clipfrac"]),
     ("fp8", ["fp8_flush_frac", "fp8_saturation_frac", "fp8_enabled", "int4_enabled"]),  # FP8 / INT4
     (
