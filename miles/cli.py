@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from miles.config.loader import add_field_flags, retired_message
+from miles.data.prompts import DEFAULT_JOB
 from miles.errors import MilesError
-
-DEFAULT_JOB = Path(__file__).resolve().parent / "assets" / "default_train.yaml"
 
 
 def number(kind: type, low: float, low_open: bool = False):

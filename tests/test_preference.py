@@ -89,18 +89,18 @@ def test_a_reward_model_learns_its_pairs_and_scores_a_run_as_it_scores_alone(tmp
     1-step `miles train --rm-type model` gives each sample the reward model's score of its tokens
     and still counts accuracy by the task's own verdict."""
     from miles.config import load_config
-    from miles.data.prompts import task_prompts
+    from miles.data.prompts import default_job_task_config, task_prompts
     from miles.data.sample import Sample
     from miles.diagnostics.metrics_file import read_metrics
     from miles.models import registry
     from miles.rewards.reward_model import ModelReward, load_reward_model, sequence_rewards
     from miles.rewards.runner import RewardRunner
     from miles.run import train
-    from miles.train.dpo import DEFAULT_TASK_CONFIG, file_pairs
+    from miles.train.dpo import file_pairs
     from miles.train.reward_training import RMConfig, pairwise_accuracy, run_rm
     from tests.conftest import small_run_args
 
-    items, dataset = task_prompts("basic_arithmetic", 8, 3, DEFAULT_TASK_CONFIG)
+    items, dataset = task_prompts("basic_arithmetic", 8, 3, default_job_task_config())
     rows = [{"prompt": i.prompt, "chosen": str(i.label), "rejected": str(int(i.label) + 3)} for i in items]
     data = tmp_path / "pairs.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))

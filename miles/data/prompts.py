@@ -17,6 +17,8 @@ from typing import Any
 
 from miles.errors import ConfigError
 
+DEFAULT_JOB = Path(__file__).resolve().parent.parent / "assets" / "default_train.yaml"
+
 
 @dataclass
 class PromptItem:
@@ -152,3 +154,12 @@ class PromptStream:
             out.append(self.items[self._order(epoch)[offset]])
             self.position += 1
         return out
+
+
+@functools.cache
+def default_job_task_config() -> dict[str, Any]:
+    """The embedded default job's task settings (basic_arithmetic, 1-2 digits, + and -): what other
+    commands build their problems from when none are given."""
+    import yaml
+
+    return yaml.safe_load(DEFAULT_JOB.read_text())["data"]["task_config"]

@@ -37,15 +37,6 @@ from miles.rollout import Engine, Request, SamplingParams
 
 PROPOSER_PROMPT = "Propose a problem like {reference}."
 PROBLEM = re.compile(r"(\d+)\s*([+-])\s*(\d+)")
-EVAL_TASK = {
-    "min_terms": 2,
-    "max_terms": 2,
-    "min_digits": 1,
-    "max_digits": 2,
-    "operators": ["+", "-"],
-    "allow_parentheses": False,
-    "allow_negation": False,
-}
 
 
 def parse_problem(text: str, max_digits: int = 3) -> tuple[str, int] | None:
@@ -75,14 +66,16 @@ class ProposerSolver:
 
     def __init__(self, seed: int = 0, attempts: int = 4, max_digits: int = 3, eval_size: int = 200,
                  eval_interval: int = 10, references: int = 64, repeat_penalty: float = 1.0) -> None:  # fmt: skip
-        from miles.data.prompts import task_prompts
+        from miles.data.prompts import default_job_task_config, task_prompts
 
         self.attempts, self.max_digits, self.eval_interval = attempts, max_digits, eval_interval
         self.repeat_penalty = repeat_penalty
         self.requests_per_episode = 1 + attempts
         self.rng = random.Random(seed)
-        self.eval_items, self.scorer = task_prompts("basic_arithmetic", eval_size, seed + 10007, EVAL_TASK)
-        seeds, _ = task_prompts("basic_arithmetic", references, seed, EVAL_TASK)
+        self.eval_items, self.scorer = task_prompts(
+            "basic_arithmetic", eval_size, seed + 10007, default_job_task_config()
+        )
+        seeds, _ = task_prompts("basic_arithmetic", references, seed, default_job_task_config())
         self.references = deque(
             (item.metadata["rg_entry"]["metadata"]["expression"] for item in seeds), maxlen=references
         )

@@ -79,9 +79,6 @@ class Parts:
     def __init__(self, parts: list[RunPart]) -> None:
         self.parts = list(parts)
 
-    def __iter__(self) -> Iterator[RunPart]:
-        return iter(self.parts)
-
     def begin(self, start: int) -> None:
         for part in self.parts:
             part.begin(start)

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from miles.algo.preference import LOSS_TYPES, preference_loss, sequence_logps
-from miles.data.prompts import PromptItem, read_records, task_prompts
+from miles.data.prompts import PromptItem, default_job_task_config, read_records, task_prompts
 from miles.data.sample import Sample
 from miles.diagnostics.metrics_file import MetricsLogger
 from miles.errors import ConfigError
@@ -34,16 +34,6 @@ from miles.models.tokenizer import encode_prompt
 from miles.rewards.runner import RewardRunner
 from miles.train.batch import forward_logprobs, pack_samples
 from miles.train.sft import greedy_accuracy
-
-DEFAULT_TASK_CONFIG = {
-    "min_terms": 2,
-    "max_terms": 2,
-    "min_digits": 1,
-    "max_digits": 2,
-    "operators": ["+", "-"],
-    "allow_parentheses": False,
-    "allow_negation": False,
-}  # fmt: skip  (the default job's)
 
 
 @dataclass
@@ -136,7 +126,7 @@ def run_dpo(cfg: DPOConfig) -> dict:
         raise ConfigError(f"--loss-type {cfg.loss_type!r}: one of {', '.join(LOSS_TYPES)}")
     torch.manual_seed(cfg.seed)
     model, tokenizer = registry.load(cfg.model, seed=cfg.seed)
-    config = cfg.task_config if cfg.task_config is not None else DEFAULT_TASK_CONFIG
+    config = cfg.task_config if cfg.task_config is not None else default_job_task_config()
     held: list[PromptItem] = []
     dataset = None
     if cfg.data:

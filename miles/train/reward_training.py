@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from miles.data.prompts import default_job_task_config
 from miles.diagnostics.metrics_file import MetricsLogger
 from miles.errors import ConfigError
 from miles.models import registry
 from miles.models.tokenizer import encode_prompt
 from miles.rewards.reward_model import save_reward_model, sequence_rewards, with_score_head
-from miles.train.dpo import DEFAULT_TASK_CONFIG, Pair, PairRunConfig, file_pairs, response_sample, task_pairs
+from miles.train.dpo import Pair, PairRunConfig, file_pairs, response_sample, task_pairs
 
 
 @dataclass
@@ -61,7 +62,7 @@ def run_rm(cfg: RMConfig) -> dict:
     torch.manual_seed(cfg.seed)
     model, tokenizer = registry.load(cfg.model, seed=cfg.seed)
     model = with_score_head(model)
-    config = cfg.task_config if cfg.task_config is not None else DEFAULT_TASK_CONFIG
+    config = cfg.task_config if cfg.task_config is not None else default_job_task_config()
     if cfg.data:
         pairs = file_pairs(cfg.data)
         random.Random(cfg.seed).shuffle(pairs)
