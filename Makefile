@@ -16,7 +16,7 @@ LINT_DIRS  := miles tests $(wildcard benchmarks)
 # share of the threads.
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test lint format clean
+.PHONY: setup run smollm2 test lint format clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ $(STAMP): pyproject.toml Makefile
 
 run: $(STAMP)
 	$(VENV)/bin/miles train
+
+# docs/quickstart.md: a real pretrained model (SmolLM2-135M-Instruct) learning arithmetic with GRPO
+smollm2: $(STAMP)
+	$(VENV)/bin/miles train --config examples/smollm2_grpo.yaml
+	$(VENV)/bin/miles plot runs/smollm2_grpo
+	$(VENV)/bin/miles doctor runs/smollm2_grpo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_DIRS)

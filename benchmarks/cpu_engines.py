@@ -1,16 +1,20 @@
 """The CPU engines a user would pick instead of miles, on the same work: ctranslate2 (fp32 and
-int8, converted from miles' own SmolLM2 checkpoint by `TransformersConverter`) and llama.cpp
-(`llama-cpp-python` on the shipped Q4_1 GGUF), against miles' engine in fp32, FP8 and INT4.
+int8, converted from miles' own SmolLM2 checkpoint by `TransformersConverter`), llama.cpp
+(`llama-cpp-python` on the shipped Q4_1 GGUF and on an F32 GGUF requantized from it) and
+transformers' `generate`, against miles' engine in fp32 and INT4.
 
 Peers install on first use into a cache folder (`$MILES_PEERS`, default ~/.cache/miles/peers:
 `pip install --target`), never into the project's requirements; one that cannot be installed
-is reported with its error and left out. Workloads (the same prompts, temperature 0.7 over the
-whole vocabulary, EOS ignored, tokens counted per engine):
+is reported with its error and left out. Each engine runs in a process of its own (llama.cpp's
+library and torch's do not share one process well), started once and driven over a pipe, so
+the engines alternate within each round without reloading. Workloads (the same prompts,
+temperature 0.7 over the whole vocabulary, EOS ignored, tokens counted per engine):
 
 - batch 1 x 128 tokens; batch 16 x 64 tokens;
 - RL-like mixed: 64 prompts whose responses end at lengths drawn uniformly from 8..128, 16
-  slots; miles refills a slot as a request ends, ctranslate2 runs batches of 16 to their longest
-  row (only the requested tokens count), llama.cpp's Python binding decodes one request at a time.
+  slots; miles refills a slot as a request ends, ctranslate2 and transformers run batches of 16
+  to their longest row (only the requested tokens count), llama.cpp's Python binding decodes one
+  request at a time (it has no batch API).
 
 Each cell is the median of 3 runs, the engines alternating within each round. "bound": the fp32
 decode step's limit at that batch (the weights and the KV cache read once at the measured memory
@@ -22,8 +26,7 @@ bandwidth, or the step's GEMMs, whichever is slower; `decode_bound.py`).
 from __future__ import annotations
 
 import argparse
-import functools
-import os
+import json
 import random
 import statistics
 import subprocess
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import torch
 from decode_bound import decode_bound, memory_bandwidth
+from peers import PEERS, peer
 
 from miles.config import load_config
 from miles.models import registry, save_model
@@ -41,34 +45,21 @@ from miles.models.gguf import smollm2_gguf_path
 from miles.quant.convert import prepare_rollout_model
 from miles.rollout import Engine, Request, SamplingParams
 
-PEERS = Path(os.environ.get("MILES_PEERS", Path.home() / ".cache" / "miles" / "peers"))
 TEMPERATURE = 0.7
-PEER_DEPS = {"llama-cpp-python": ["diskcache"]}  # what a peer needs beyond what the project installs
-
-
-def peer(module: str, package: str):
-    """`module` from the peers' cache folder, installed there first if missing; None (with the
-    reason printed) when it cannot be had."""
-    target = PEERS / module
-    sys.path.insert(0, str(target))
-    try:
-        return __import__(module)
-    except ImportError:
-        pass
-    print(f"installing {package} into {target} ...", flush=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), package,
-         *PEER_DEPS.get(package, [])],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if proc.returncode:
-        print(f"{package}: cannot be installed here: {proc.stderr.strip().splitlines()[-1:]}")
-        return None
-    try:
-        return __import__(module)
-    except ImportError as e:
-        print(f"{package}: installed but does not import: {e}")
-        return None
+THREADS = 2
+ENGINES = {  # name -> (kind, setting)
+    "miles fp32": ("miles", "fp32"),
+    "miles INT4": ("miles", "int4"),
+    "miles FP8": ("miles", "fp8"),
+    "ctranslate2 fp32": ("ctranslate2", "float32"),
+    "ctranslate2 int8": ("ctranslate2", "int8"),
+    "llama.cpp F32": ("llama.cpp", "f32"),
+    "llama.cpp Q4_1": ("llama.cpp", "q4_1"),
+    "transformers fp32": ("transformers", "fp32"),
+}
+DEFAULT = (
+    "miles fp32,miles INT4,ctranslate2 fp32,ctranslate2 int8,llama.cpp F32,llama.cpp Q4_1,transformers fp32"
+)
 
 
 def workloads(tokenizer) -> list[tuple[str, list[list[int]], list[int], int]]:
@@ -85,103 +76,192 @@ def workloads(tokenizer) -> list[tuple[str, list[list[int]], list[int], int]]:
     ]
 
 
-def run_miles(model, tokenizer, prompts, lengths, slots) -> float:
-    engine = Engine(
-        model, tokenizer, max_batch_size=slots, max_seq_len=max(map(len, prompts)) + max(lengths) + 1
-    )
-    requests = [
-        Request(list(p), SamplingParams(temperature=TEMPERATURE, max_new_tokens=n, ignore_eos=True, seed=i))
-        for i, (p, n) in enumerate(zip(prompts, lengths))
-    ]
-    t0 = time.perf_counter()
-    samples = engine.generate(requests)
-    return sum(s.response_length for s in samples) / (time.perf_counter() - t0)
+def miles_runner(setting: str, policy, tokenizer):
+    flags = {
+        "fp32": [],
+        "fp8": ["--fp8-rollout-only"],
+        "int4": ["--int4-rollout-only", "--int4-group-size", "64"],
+    }
+    model = prepare_rollout_model(policy, load_config(["--model", "smollm2", *flags[setting]]))
 
-
-def run_ct2(generator, tokenizer, prompts, lengths, slots) -> float:
-    t0, done = time.perf_counter(), 0
-    for i in range(0, len(prompts), slots):
-        batch, want = prompts[i : i + slots], lengths[i : i + slots]
-        tokens = [tokenizer.convert_ids_to_tokens(p) for p in batch]
-        longest = max(want)
-        generator.generate_batch(
-            tokens, max_length=longest, min_length=longest, sampling_topk=0, sampling_temperature=TEMPERATURE,
-            include_prompt_in_result=False,
-        )  # fmt: skip
-        done += sum(want)
-    return done / (time.perf_counter() - t0)
-
-
-def run_llama(llm, prompts, lengths, eos: int) -> float:
-    t0, done = time.perf_counter(), 0
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        llm.reset()
-        out = llm.create_completion(
-            list(p), max_tokens=n, temperature=TEMPERATURE, top_k=0, top_p=1.0, seed=i, logit_bias={eos: -1e9}
+    def run(prompts, lengths, slots) -> int:
+        engine = Engine(
+            model, tokenizer, max_batch_size=slots, max_seq_len=max(map(len, prompts)) + max(lengths) + 1
         )
-        done += out["usage"]["completion_tokens"]
-    return done / (time.perf_counter() - t0)
+        requests = [
+            Request(
+                list(p), SamplingParams(temperature=TEMPERATURE, max_new_tokens=n, ignore_eos=True, seed=i)
+            )
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ]
+        return sum(s.response_length for s in engine.generate(requests))
+
+    return run
+
+
+def ct2_runner(compute: str, policy, tokenizer):
+    ct2 = peer("ctranslate2", ["ctranslate2"])
+    if ct2 is None:
+        return None
+    source = tempfile.mkdtemp()
+    save_model(policy, source, tokenizer=tokenizer)
+    out = Path(tempfile.mkdtemp()) / compute
+    ct2.converters.TransformersConverter(source).convert(str(out), quantization=compute)
+    generator = ct2.Generator(str(out), device="cpu", compute_type=compute, intra_threads=THREADS)
+
+    def run(prompts, lengths, slots) -> int:
+        for i in range(0, len(prompts), slots):
+            batch, want = prompts[i : i + slots], lengths[i : i + slots]
+            longest = max(want)
+            generator.generate_batch(
+                [tokenizer.convert_ids_to_tokens(p) for p in batch], max_length=longest, min_length=longest,
+                sampling_topk=0, sampling_temperature=TEMPERATURE, include_prompt_in_result=False,
+            )  # fmt: skip
+        return sum(lengths)  # only the requested tokens count
+
+    return run
+
+
+def gguf_of(kind: str) -> Path:
+    """The shipped Q4_1 GGUF, or an F32 one requantized from it by llama.cpp's own quantizer."""
+    shipped = smollm2_gguf_path()
+    if kind == "q4_1":
+        return shipped
+    out = PEERS / "gguf" / f"{shipped.stem}-f32.gguf"
+    if not out.exists():
+        import llama_cpp
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+        params.allow_requantize = True
+        params.nthread = THREADS
+        if llama_cpp.llama_model_quantize(str(shipped).encode(), str(out).encode(), params) != 0:
+            raise RuntimeError(f"llama.cpp could not write {out}")
+    return out
+
+
+def llama_runner(kind: str, policy, tokenizer):
+    llama_cpp = peer("llama_cpp", ["llama-cpp-python", "diskcache"])  # builds llama.cpp: minutes
+    if llama_cpp is None:
+        return None
+    llm = llama_cpp.Llama(model_path=str(gguf_of(kind)), n_ctx=512, n_threads=THREADS, verbose=False)
+    eos = tokenizer.eos_token_id
+
+    def run(prompts, lengths, slots) -> int:
+        done = 0
+        for i, (p, n) in enumerate(zip(prompts, lengths)):  # one request at a time: no batch API
+            llm.reset()
+            out = llm.create_completion(
+                list(p), max_tokens=n, temperature=TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0, seed=i,
+                logit_bias={eos: -1e9},
+            )  # fmt: skip
+            done += out["usage"]["completion_tokens"]
+        return done
+
+    return run
+
+
+def transformers_runner(setting: str, policy, tokenizer):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from rollout_throughput import hf_model_of, run_hf
+
+    hf = hf_model_of(policy)
+
+    def run(prompts, lengths, slots) -> int:
+        run_hf(hf, tokenizer, [list(p) for p in prompts], lengths, slots, temperature=TEMPERATURE)
+        return sum(lengths)
+
+    return run
+
+
+RUNNERS = {"miles": miles_runner, "ctranslate2": ct2_runner, "llama.cpp": llama_runner,
+           "transformers": transformers_runner}  # fmt: skip
+
+
+def worker(name: str) -> None:
+    """One engine, driven over stdin/stdout: a workload index in, its tokens and seconds out."""
+    torch.set_num_threads(THREADS)
+    policy, tokenizer = registry.load("smollm2")
+    kind, setting = ENGINES[name]
+    run = RUNNERS[kind](setting, policy, tokenizer)
+    del policy
+    print(json.dumps({"ready": run is not None}), flush=True)
+    if run is None:
+        return
+    jobs = workloads(tokenizer)
+    for line in sys.stdin:
+        _, prompts, lengths, slots = jobs[int(line)]
+        t0 = time.perf_counter()
+        tokens = run(prompts, lengths, slots)
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}), flush=True)
+
+
+class Worker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.ready = json.loads(self.proc.stdout.readline() or '{"ready": false}')["ready"]
+
+    def rate(self, workload: int) -> float:
+        self.proc.stdin.write(f"{workload}\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        return answer["tokens"] / answer["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--peers", default="ctranslate2,llama.cpp", help="comma-separated: ctranslate2, llama.cpp"
-    )
-    parser.add_argument(
-        "--miles", default="fp32,fp8,int4", help="comma-separated miles engines: fp32, fp8, int4"
-    )
+    parser.add_argument("--engines", default=DEFAULT, help=f"comma-separated, of: {', '.join(ENGINES)}")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if args.worker:
+        return worker(args.worker)
+    torch.set_num_threads(THREADS)
+    workers = []
+    for name in args.engines.split(","):
+        if name not in ENGINES:
+            raise SystemExit(f"--engines: unknown engine {name!r}; known: {', '.join(ENGINES)}")
+        print(f"starting {name} ...", flush=True)
+        w = Worker(name)
+        (workers.append(w) if w.ready else print(f"{name}: left out (see above)"))
     policy, tokenizer = registry.load("smollm2")
-    engines = {"miles fp32": lambda: policy}
-    for key, name, flags in (
-        ("fp8", "miles FP8", ["--fp8-rollout-only"]),
-        ("int4", "miles INT4", ["--int4-rollout-only", "--int4-group-size", "64"]),
-    ):
-        if key in args.miles.split(","):
-            cfg = load_config(["--model", "smollm2", *flags])
-            engines[name] = lambda cfg=cfg: prepare_rollout_model(registry.load("smollm2")[0], cfg)
-    built = {name: make() for name, make in engines.items()}
-    runners = {name: functools.partial(run_miles, m, tokenizer) for name, m in built.items()}
-    wanted = args.peers.split(",")
-    ct2 = peer("ctranslate2", "ctranslate2") if "ctranslate2" in wanted else None
-    if ct2 is not None:
-        source = tempfile.mkdtemp()
-        save_model(policy, source, tokenizer=tokenizer)
-        for compute in ("float32", "int8"):
-            out = Path(tempfile.mkdtemp()) / compute
-            ct2.converters.TransformersConverter(source).convert(str(out), quantization=compute)
-            gen = ct2.Generator(str(out), device="cpu", compute_type=compute, intra_threads=2)
-            runners[f"ctranslate2 {compute}"] = (lambda g: lambda p, n, s: run_ct2(g, tokenizer, p, n, s))(
-                gen
-            )
-    llama_cpp = peer("llama_cpp", "llama-cpp-python") if "llama.cpp" in wanted else None
-    if llama_cpp is not None:
-        llm = llama_cpp.Llama(model_path=str(smollm2_gguf_path()), n_ctx=512, n_threads=2, verbose=False)
-        eos = tokenizer.eos_token_id
-        runners["llama.cpp Q4_1"] = lambda p, n, s: run_llama(llm, p, n, eos)  # one request at a time
     bandwidth = memory_bandwidth()[0]
-    print(f"SmolLM2-135M, 2 threads, temperature {TEMPERATURE}; median of {args.repeats} (tokens/s)")
-    names = list(runners)
+    names = [w.name for w in workers]
+    print(
+        f"\nSmolLM2-135M, {THREADS} threads, temperature {TEMPERATURE}; median of {args.repeats} (tokens/s)"
+    )
     print("| workload | " + " | ".join(names) + " | fp32 bound |")
     print("|---" * (len(names) + 2) + "|")
-    for label, prompts, lengths, slots in workloads(tokenizer):
-        rates = {n: [] for n in names}
+    for index, (label, prompts, lengths, slots) in enumerate(workloads(tokenizer)):
+        rates = {w.name: [] for w in workers}
         for r in range(args.repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one further on
-                rates[name].append(runners[name](prompts, lengths, slots))
+            for w in (
+                workers[r % len(workers) :] + workers[: r % len(workers)]
+            ):  # each round starts one further on
+                rates[w.name].append(w.rate(index))
         med = {n: statistics.median(v) for n, v in rates.items()}
         bound = decode_bound(policy, slots, max(map(len, prompts)) + max(lengths), bandwidth)
-        cells = [f"{med[n]:.0f}" for n in names]
-        print(
-            f"| {label} | " + " | ".join(cells) + f" | {slots / bound.tighter_s:.0f} ({bound.which}) |",
-            flush=True,
-        )
-        best = max((v, n) for n, v in med.items() if not n.startswith("miles"))
-        if best:
-            print(f"  miles fp32 / best peer ({best[1]}): {med['miles fp32'] / best[0]:.2f}x")
+        cells = " | ".join(f"{med[n]:.0f}" for n in names)
+        print(f"| {label} | {cells} | {slots / bound.tighter_s:.0f} ({bound.which}) |", flush=True)
+        for ours, theirs in (("miles fp32", ("ctranslate2 fp32", "llama.cpp F32", "transformers fp32")),
+                             ("miles INT4", ("ctranslate2 int8", "llama.cpp Q4_1"))):  # fmt: skip
+            peers = [(med[n], n) for n in theirs if n in med]
+            if ours in med and peers:
+                best = max(peers)
+                print(f"  {ours} / best peer at its precision ({best[1]}): {med[ours] / best[0]:.2f}x")
+    for w in workers:
+        w.close()
 
 
 if __name__ == "__main__":

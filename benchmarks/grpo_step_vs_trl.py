@@ -1,13 +1,20 @@
 """Time per GRPO step: TRL's GRPOTrainer and `miles train`, same model, task, batch and lengths.
 
-    .venv/bin/pip install trl            # benchmark-only dependency
-    .venv/bin/python benchmarks/grpo_step_vs_trl.py [--steps 6]
+    .venv/bin/python benchmarks/grpo_step_vs_trl.py [--model tiny|smollm2] [--steps 6]
 
-Both train the shipped tiny Qwen3-MoE base model (miles/assets/tiny-moe-base, which transformers
-loads as Qwen3MoeForCausalLM) on reasoning-gym basic_arithmetic prompts in the chat template:
-32 prompts x 8 samples per step, at most 8 new tokens, temperature 1, AdamW at the same LR, no
-reference model (beta 0), one optimizer step per rollout. The first step of each is warm-up and
-not counted.
+TRL (with `datasets`) installs on first use into the peers' cache folder (benchmarks/peers.py),
+not into the project. Both sides train the same weights on the same reasoning-gym
+basic_arithmetic prompts in the chat template, the same number of prompts x samples per step,
+the same maximum of new tokens, temperature 1, AdamW at the same LR, no reference model
+(beta 0), one optimizer step per rollout, the same reward function:
+
+- tiny: the shipped tiny Qwen3-MoE base model (miles/assets/tiny-moe-base, which transformers
+  loads as Qwen3MoeForCausalLM), the default job's task; 32 prompts x 8 samples, 8 new tokens;
+- smollm2: SmolLM2-135M-Instruct (the shipped GGUF, saved as an HF checkpoint for TRL), the task of
+  examples/smollm2_grpo.yaml with its lenient last-number reward; 8 prompts x 8 samples, 64 new
+  tokens.
+
+The first step of each side is warm-up and not counted; the median of the rest is printed.
 """
 
 from __future__ import annotations
@@ -17,32 +24,69 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
+from peers import peer
+
+from miles.rewards.builtin import exact_match, last_number
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = ROOT / "miles" / "assets" / "tiny-moe-base"
-JOB = yaml.safe_load((ROOT / "miles" / "assets" / "default_train.yaml").read_text())
-TASK_CONFIG = JOB["data"]["task_config"]
-PROMPTS, GROUP, NEW_TOKENS, LR = 32, 8, 8, 2e-4
 
 
-def time_trl(steps: int) -> list[float]:
-    import datasets
+@dataclass
+class Setup:
+    config: Path  # the miles job whose task and model both sides use
+    prompts: int
+    group: int
+    new_tokens: int
+    lr: float
+    reward: object  # (response, label) -> float, on both sides
+
+    @property
+    def job(self) -> dict:
+        return yaml.safe_load(self.config.read_text())
+
+
+SETUPS = {
+    "tiny": Setup(ROOT / "miles" / "assets" / "default_train.yaml", 32, 8, 8, 2e-4, exact_match),
+    "smollm2": Setup(ROOT / "examples" / "smollm2_grpo.yaml", 8, 8, 64, 1e-5, last_number),
+}
+
+
+def hf_checkpoint(model_name: str) -> Path:
+    """The model both sides start from, as a Hugging Face checkpoint folder."""
+    if model_name == "tiny":
+        return ROOT / "miles" / "assets" / "tiny-moe-base"
+    from miles.models import registry, save_model
+
+    out = Path(tempfile.mkdtemp())
+    policy, tokenizer = registry.load(model_name)
+    save_model(policy, out, tokenizer=tokenizer)
+    return out
+
+
+def time_trl(setup: Setup, checkpoint: Path, steps: int) -> list[float]:
+    datasets = peer("datasets", ["trl", "datasets", "dill", "multiprocess", "pandas"], folder="trl")
+    trl = peer("trl", ["trl"], folder="trl")
+    if trl is None or datasets is None:
+        raise SystemExit("TRL cannot be installed here (see above)")
     import reasoning_gym
     import transformers
-    from trl import GRPOConfig, GRPOTrainer
 
-    rg = reasoning_gym.create_dataset("basic_arithmetic", size=PROMPTS * (steps + 1), seed=0, **TASK_CONFIG)
+    task = setup.job["data"]
+    rg = reasoning_gym.create_dataset(
+        task["task"], size=setup.prompts * (steps + 1), seed=0, **task["task_config"]
+    )
     data = datasets.Dataset.from_list(
         [{"prompt": [{"role": "user", "content": e["question"]}], "answer": e["answer"]} for e in rg]
     )
 
     def reward(prompts, completions, answer, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(t.strip() == a) for t, a in zip(texts, answer)]
+        return [setup.reward(t, a) for t, a in zip(texts, answer)]
 
     times: list[float] = []
 
@@ -53,37 +97,34 @@ def time_trl(steps: int) -> list[float]:
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.t)
 
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-        steps_per_generation=1, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0,
-        learning_rate=LR, beta=0.0, max_steps=steps, use_cpu=True, bf16=False, report_to="none",
-        logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+    config = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=setup.prompts * setup.group,
+        num_generations=setup.group, steps_per_generation=1, gradient_accumulation_steps=1,
+        max_completion_length=setup.new_tokens, temperature=1.0, learning_rate=setup.lr, beta=0.0,
+        max_steps=steps, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0,
     )  # fmt: skip
-    tokenizer = transformers.AutoTokenizer.from_pretrained(BASE)
-    model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=config,
-        train_dataset=data,
-        processing_class=tokenizer,
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
         callbacks=[Clock()],
-    )
+    )  # fmt: skip
     trainer.train()
     return times[1:]
 
 
-def time_miles(steps: int) -> list[float]:
+def time_miles(setup: Setup, steps: int) -> list[float]:
     from miles.config import load_config
     from miles.diagnostics.metrics_file import read_metrics
     from miles.run import train
 
     out = Path(tempfile.mkdtemp())
     argv = [
-        "--config", str(ROOT / "miles" / "assets" / "default_train.yaml"), "--num-rollout", str(steps),
-        "--rollout-batch-size", str(PROMPTS), "--n-samples-per-prompt", str(GROUP), "--rollout-max-response-len",
-        str(NEW_TOKENS), "--lr", str(LR), "--eval-size", "0", "--output-dir", str(out), "--no-progress",
-        "--micro-batch-size", str(PROMPTS * GROUP),
+        "--config", str(setup.config), "--num-rollout", str(steps), "--rollout-batch-size", str(setup.prompts),
+        "--n-samples-per-prompt", str(setup.group), "--rollout-max-response-len", str(setup.new_tokens),
+        "--rollout-temperature", "1.0", "--lr", str(setup.lr), "--eval-size", "0", "--output-dir", str(out),
+        "--no-progress", "--micro-batch-size", str(setup.prompts * setup.group),
     ]  # fmt: skip
     train(load_config(argv))
     return [r["step_time"] for r in read_metrics(out) if "step_time" in r][1:]
@@ -93,16 +134,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", choices=sorted(SETUPS), default="tiny")
     parser.add_argument("--steps", type=int, default=6, help="RL steps per side (the first is warm-up)")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    setup = SETUPS[args.model]
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}; {PROMPTS} prompts x {GROUP} samples, {NEW_TOKENS} new tokens"
+        f"{args.model}: torch {torch.__version__}, threads {torch.get_num_threads()}; {setup.prompts} prompts x "
+        f"{setup.group} samples, at most {setup.new_tokens} new tokens"
     )
-    ours = statistics.median(time_miles(args.steps))
-    theirs = statistics.median(time_trl(args.steps))
+    ours = statistics.median(time_miles(setup, args.steps))
+    theirs = statistics.median(time_trl(setup, hf_checkpoint(args.model), args.steps))
     print(
-        f"GRPO step (median of {args.steps - 1}): miles {ours:.2f} s | TRL GRPOTrainer {theirs:.2f} s | miles is {theirs / ours:.1f}x faster"
+        f"GRPO step (median of {args.steps - 1}): miles {ours:.2f} s | TRL GRPOTrainer {theirs:.2f} s | "
+        f"miles is {theirs / ours:.1f}x faster"
     )
 
 

@@ -66,7 +66,7 @@ class StopAtLength(transformers.StoppingCriteria):
         return (input_ids.shape[1] - self.prompt_len) >= self.lengths
 
 
-def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
+def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int, temperature: float = 1.0) -> float:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -76,7 +76,7 @@ def run_hf(hf, tokenizer, prompts, lengths: list[int], batch: int) -> float:
         mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
             out = hf.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
                 max_new_tokens=max(chunk_len), pad_token_id=pad, eos_token_id=None,
                 stopping_criteria=transformers.StoppingCriteriaList([StopAtLength(T, chunk_len)]),
             )  # fmt: skip

@@ -277,7 +277,7 @@ def response_logprobs(
     engine's reported log-probs are compared with."""
     batch = pack_samples(samples, replay_routing)
     with torch.no_grad():
-        logp, _, _ = forward_logprobs(model, batch, temperature)
+        logp = forward_logprobs(model, batch, temperature, full_logits=True).logprobs
     out = []
     for b, s in enumerate(samples):
         p = s.prompt_length

@@ -59,7 +59,7 @@ def one_batch_gradient(model, samples, advantages, agg: str) -> dict[str, torch.
     """The oracle: the global batch's PPO loss at ratio 1 in one forward, no accumulation."""
     model.zero_grad(set_to_none=True)
     batch = pack_samples(samples)
-    logp, _, _ = forward_logprobs(model, batch)
+    logp = forward_logprobs(model, batch).logprobs
     adv = torch.zeros_like(logp)
     for b, s in enumerate(samples):
         adv[b, s.prompt_length - 1 : len(s.tokens) - 1] = advantages[b]
@@ -286,7 +286,7 @@ def test_host_optimizer_steps_exactly_as_adamw():
             offloaded.load_state_dict(fresh)
         for model, optimizer in zip((plain, offloaded), optimizers):
             optimizer.zero_grad()
-            logp, _, _ = forward_logprobs(model, pack_samples(samples[:8]))
+            logp = forward_logprobs(model, pack_samples(samples[:8])).logprobs
             (logp.sum() * advantages[0][0]).backward()
             optimizer.step()
         for (name, a), b in zip(plain.named_parameters(), offloaded.parameters()):

@@ -38,19 +38,28 @@ def test_shared_prompt_forward_equals_the_full_forward(arch, replay):
     assert shared_batch.shared.prompt_ids.shape[0] == 3  # three distinct prompts, each run once
 
     results = []
-    for batch in (full_batch, shared_batch):
+    # the plain forward with full logits (the oracle), then the LM head on response rows only,
+    # plain and shared-prompt
+    for batch, full_logits in ((full_batch, True), (full_batch, False), (shared_batch, False)):
         model.zero_grad()
-        logp, logits, out = forward_logprobs(model.train(), batch, temperature=0.8)
+        result = forward_logprobs(model.train(), batch, temperature=0.8, full_logits=full_logits)
+        logp, out = result.logprobs, result.out
         mask = batch.response_mask
         loss = -(logp * mask * torch.linspace(-1, 1, mask.numel()).view_as(mask)).sum()
+        loss = loss + 0.1 * (result.entropy * mask).sum()
         if out.router_logits:
             loss = loss + sum((r.softmax(-1)[..., 0] * batch.attention_mask).sum() for r in out.router_logits)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((logp * mask, logits[mask.bool()], out, grads))
-    (lp_a, lg_a, out_a, g_a), (lp_b, lg_b, out_b, g_b) = results
-    assert (lp_a - lp_b).abs().max() < 1e-5
-    assert (lg_a - lg_b).abs().max() < 1e-4
+        results.append((logp * mask, result.entropy * mask, out, grads))
+    (lp_a, ent_a, out_a, g_a) = results[0]
+    for lp_b, ent_b, out_b, g_b in results[1:]:
+        assert (lp_a - lp_b).abs().max() < 1e-5
+        assert (ent_a - ent_b).abs().max() < 1e-4
+        same_routing_and_grads(full_batch, out_a, out_b, g_a, g_b)
+
+
+def same_routing_and_grads(full_batch, out_a, out_b, g_a, g_b) -> None:
     real = full_batch.attention_mask.bool()
     if out_a.routed_experts is not None:
         assert torch.equal(out_a.routed_experts[real], out_b.routed_experts[real])

@@ -1,4 +1,5 @@
-"""Per-token log-probabilities and entropy from logits, computed in row chunks.
+"""Per-token log-probabilities and entropy from logits (or from hidden states and the LM head),
+computed in row chunks.
 
 A (tokens x 150k vocab) log-softmax is the largest tensor in RL training; chunking keeps one
 chunk's worth of it alive at a time, and under autograd each chunk is recomputed in backward
@@ -61,6 +62,32 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[target] for logits (..., V) and targets (...)."""
     return chunked(lambda lg, tg: _logprob_rows(lg, tg, temperature), logits, targets, chunk=chunk)
+
+
+def head_logprobs(
+    head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log softmax(head(h) / temperature)[target], entropy of softmax(head(h))) for each row of
+    `hidden` (N, H): the LM head and its log-softmax run one row chunk at a time, recomputed in
+    backward, so no (N x vocab) logits tensor outlives its chunk (49k-150k vocabularies)."""
+
+    def rows(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h).float()
+        return _logprob_rows(logits, t, temperature), _entropy_rows(logits)
+
+    logps, ents = [], []
+    for h, t in zip(hidden.split(chunk), targets.split(chunk)):
+        logp, ent = checkpoint(rows, h, t, use_reentrant=False) if torch.is_grad_enabled() else rows(h, t)
+        logps.append(logp)
+        ents.append(ent)
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logps), torch.cat(ents)
 
 
 def entropy(logits: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:

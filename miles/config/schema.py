@@ -216,11 +216,21 @@ class RewardSection:
 
     rm_type: str = option(
         "auto",
-        "built-in reward: auto (the task's scorer, else exact), exact, boxed, reasoning_gym, code (the response's "
-        "program run on the label's tests in a sandbox: the fraction passed); remote_rm (an HTTP reward server at "
-        "--rm-url), llm_judge (a judge model behind the OpenAI-compatible --rm-url) or model (the reward model "
-        "at --rm-path)",
-        choices=("auto", "exact", "boxed", "reasoning_gym", "code", "remote_rm", "llm_judge", "model"),
+        "auto (the task's scorer, else exact), exact, boxed, last_number (the last number equals the label: "
+        "for answers in a sentence), reasoning_gym, code (the program passes the label's tests: the fraction); "
+        "remote_rm (server at --rm-url), llm_judge (a judge behind the OpenAI-compatible --rm-url) or model "
+        "(the reward model at --rm-path)",
+        choices=(
+            "auto",
+            "exact",
+            "boxed",
+            "last_number",
+            "reasoning_gym",
+            "code",
+            "remote_rm",
+            "llm_judge",
+            "model",
+        ),
     )
     rm_path: str | None = option(None, "--rm-type model: the reward model `miles rm --save` wrote")
     rm_url: str | None = option(
@@ -559,6 +569,12 @@ class TrainSection:
         True,
         "compute each group's shared prompt once in the training forward (same result as the full "
         "forward to fp32 rounding; --no-share-prompts runs every sample in full)",
+    )
+    length_buckets: bool = option(
+        True,
+        "run a training forward's rows in buckets of similar length, each padded only to its own longest "
+        "row, instead of all padded to the longest (same result to fp32 rounding; not with FSDP, expert "
+        "parallelism, expert capacity or deterministic routing, where every forward's shape must agree)",
     )
     seed: int = option(1234, "training seed (data order, init)", bounds="[0, inf)")
     aux_loss_coef: float = option(

@@ -8,6 +8,7 @@ experts (routing replay, R3). Shapes: B batch, T tokens, H heads, D head dim, E 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,25 @@ class ModelOutput:
     routed_experts: torch.Tensor | None  # (B, T, MoE layers, K) int64, None for dense models
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, KV, T, D), if collected
     hidden: torch.Tensor | None = None  # the final-normed hidden states the logits come from (B, T, H)
+    token_logprobs: torch.Tensor | None = None  # (N,) with a HeadRequest: log-prob of each asked target
+    token_entropy: torch.Tensor | None = None  # (N,) with a HeadRequest: entropy at each asked position
+
+
+@dataclass
+class HeadRequest:
+    """The LM head at chosen positions only (training: the response tokens), through `compute`
+    (lm_head, final hidden rows (N, H), targets, temperature) -> (log-probs, entropies), e.g. in
+    row chunks that never hold (B, T, vocab) logits: prompt and padding positions cost nothing in
+    the head, on a real vocabulary the largest matmul of the model."""
+
+    rows: torch.Tensor  # (N,) flat positions b * T + t
+    targets: torch.Tensor  # (N,) the token whose log-prob each position gives
+    temperature: float | torch.Tensor
+    compute: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def part(self, picked: torch.Tensor, rows: torch.Tensor) -> HeadRequest:
+        """The request for the `picked` entries, at `rows` of another layout."""
+        return HeadRequest(rows, self.targets[picked], self.temperature, self.compute)
 
 
 @dataclass
@@ -388,6 +408,7 @@ class Transformer(nn.Module):
         collect_kv: bool = False,
         token_mask: torch.Tensor
         | None = None,  # (B, T) real tokens for MoE capacity (default: attention_mask)
+        head: HeadRequest | None = None,  # log-probs at these positions only, logits=None
     ) -> ModelOutput:
         """Logits for every position.
 
@@ -444,6 +465,10 @@ class Transformer(nn.Module):
         if logits_at is not None:  # generation needs the last position only: skip the big lm_head matmul
             h = h[torch.arange(B, device=device), logits_at][:, None]
         hidden = self.model.norm(h)
-        logits = self.lm_head(hidden).float()
         experts = torch.stack(routed, dim=2) if routed else None
+        if head is not None:
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head.rows)
+            logp, ent = head.compute(self.lm_head, rows, head.targets, head.temperature)
+            return ModelOutput(None, router_logits, experts, kv, hidden, logp, ent)
+        logits = self.lm_head(hidden).float()
         return ModelOutput(logits, router_logits, experts, kv=kv, hidden=hidden)

@@ -15,6 +15,19 @@ def exact_match(response: str, label: Any) -> float:
     return float(_norm(response) == _norm(label))
 
 
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(response: str, label: Any) -> float:
+    """The last number of the response equals the label as a number: lenient, for instruct models
+    that answer in a sentence ("10 + 8 = 18") where an exact match would score nothing."""
+    found = NUMBER.findall(str(response).replace(",", ""))
+    try:
+        return float(bool(found) and float(found[-1]) == float(str(label).replace(",", "")))
+    except ValueError:  # a label that is not a number: nothing numeric can match it
+        return 0.0
+
+
 def extract_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...}, braces balanced."""
     start = text.rfind("\\boxed{")

@@ -19,7 +19,7 @@ from typing import Any
 
 from miles.data.sample import Sample, Status
 from miles.errors import ConfigError, MilesError
-from miles.rewards.builtin import boxed_answer, exact_match
+from miles.rewards.builtin import boxed_answer, exact_match, last_number
 from miles.rewards.code import CodeLimits, code_rewards
 from miles.rewards.functions import load_function
 from miles.rewards.remote import JUDGE_TEMPLATE, JudgeReward, RemoteReward
@@ -78,6 +78,8 @@ class RewardRunner:
             return float(self.task_dataset.score_answer(sample.response.strip(), sample.metadata["rg_entry"]))
         if self.rm_type == "boxed":
             return boxed_answer(sample.response, sample.label)
+        if self.rm_type == "last_number":
+            return last_number(sample.response, sample.label)
         return exact_match(sample.response, sample.label)
 
     def _builtin_or_failure(self, sample: Sample) -> Any:

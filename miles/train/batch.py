@@ -1,7 +1,9 @@
 """Trainer-side log-probabilities of response tokens, from one full forward.
 
 This is the quantity the rollout engine reports (`rollout_log_probs`): log softmax(logits / T)
-at each response token, so the two can be compared token by token and their gap measured.
+at each response token, so the two can be compared token by token and their gap measured. The
+LM head runs on the response positions only (`HeadRequest`): prompt and padding positions, most
+of a batch's tokens, never reach the vocabulary-sized matmul.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miles.algo.logprobs import token_logprobs
+from miles.algo.logprobs import entropy, head_logprobs, token_logprobs
 from miles.data.sample import Sample
-from miles.models.transformer import Transformer
+from miles.models.transformer import HeadRequest, ModelOutput, Transformer
+from miles.train.length_buckets import bucketed_forward, overhead_tokens
 from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward
 
 
@@ -28,12 +31,14 @@ class PackedBatch:
     response_mask: torch.Tensor  # (B, T-1): 1 where the target is a trained response token
     forced_experts: torch.Tensor | None  # (B, T-1, layers, k) recorded routing, -1 = none
     shared: SharedPrompts | None = None  # set: each shared prompt is computed once (see shared_prompt)
+    response_rows: torch.Tensor | None = None  # (N,) flat positions b * (T-1) + t of every response token
 
     def to(self, device) -> PackedBatch:
         return PackedBatch(
             *(None if t is None else t.to(device) for t in (self.input_ids, self.targets, self.attention_mask,
                                                               self.response_mask, self.forced_experts)),
             None if self.shared is None else self.shared.to(device),
+            None if self.response_rows is None else self.response_rows.to(device),
         )  # fmt: skip
 
 
@@ -45,12 +50,14 @@ def pack_samples(
     tokens = torch.zeros(B, T, dtype=torch.long)
     attn = torch.zeros(B, T - 1, dtype=torch.long)
     resp = torch.zeros(B, T - 1, dtype=torch.float32)
+    rows = []
     for b, s in enumerate(samples):
         n, p = len(s.tokens), s.prompt_length
         tokens[b, :n] = torch.tensor(s.tokens)
         attn[b, : n - 1] = 1
         mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
         resp[b, p - 1 : n - 1] = torch.tensor(mask, dtype=torch.float32)
+        rows.append(torch.arange(b * (T - 1) + p - 1, b * (T - 1) + n - 1))
     if replay_routing:
         missing = [b for b, s in enumerate(samples) if s.rollout_routed_experts is None]
         if missing:
@@ -61,7 +68,7 @@ def pack_samples(
     forced = None
     if replay_routing and shared is None:  # the shared-prompt plan carries its own routing
         forced = recorded_routing(samples, T - 1)
-    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared)
+    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared, torch.cat(rows))
 
 
 def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
@@ -74,23 +81,74 @@ def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
     return out
 
 
-def forward_packed(model: Transformer, batch: PackedBatch):
+def forward_packed(
+    model: Transformer, batch: PackedBatch, head: HeadRequest | None = None, buckets: bool = False
+) -> ModelOutput:
     """The model's output (B, T-1, ...) for a packed batch (moved to the model's device); each
-    shared prompt is computed once when the batch was packed with share_prompts."""
+    shared prompt is computed once when the batch was packed with share_prompts. `head`: the
+    LM head at those flat (B, T-1) positions only (the output's token_logprobs, no logits).
+    `buckets`: rows run in length buckets, not all padded to the longest (`length_buckets`)."""
     device = model.lm_head.weight.device
     if batch.input_ids.device != device:
         batch = batch.to(device)
+    overhead = overhead_tokens(sum(p.numel() for p in model.parameters())) if buckets else None
     if batch.shared is not None:
-        return shared_prompt_forward(model, batch.shared)
-    return model(batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts)
+        return shared_prompt_forward(model, batch.shared, head, overhead)
+
+    def rows_of(rows: torch.Tensor | slice, length: int, part_head: HeadRequest | None) -> ModelOutput:
+        if isinstance(rows, torch.Tensor):
+            rows = rows.to(device)
+        forced = None if batch.forced_experts is None else batch.forced_experts[rows, :length]
+        return model(
+            batch.input_ids[rows, :length], attention_mask=batch.attention_mask[rows, :length],
+            forced_experts=forced, head=part_head,
+        )  # fmt: skip
+
+    width = batch.input_ids.shape[1]
+    if overhead is None:
+        return rows_of(slice(None), width, head)
+    return bucketed_forward(rows_of, batch.attention_mask.sum(1).tolist(), width, head, overhead)
+
+
+@dataclass
+class TokenOutputs:
+    """A packed batch's per-position results, zero outside the response positions."""
+
+    logprobs: torch.Tensor  # (B, T-1) log softmax(logits / temperature) of each target
+    entropy: torch.Tensor  # (B, T-1) entropy of softmax(logits)
+    logits: torch.Tensor | None  # (B, T-1, vocab), only when asked for (top-k distillation)
+    out: ModelOutput  # router logits and routed experts for MoE
 
 
 def forward_logprobs(
-    model: Transformer, batch: PackedBatch, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """(logprobs (B, T-1) of each target, logits, model output) for a packed batch (moved to the
-    model's device; the results stay there). `temperature`: the run's `logprob_temperature`."""
-    out = forward_packed(model, batch)
-    if batch.targets.device != out.logits.device:
-        batch = batch.to(out.logits.device)
-    return token_logprobs(out.logits, batch.targets, temperature=temperature), out.logits, out
+    model: Transformer,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    full_logits: bool = False,
+    buckets: bool = False,
+) -> TokenOutputs:
+    """The response tokens' log-probs and entropies for a packed batch (moved to the model's
+    device; the results stay there). `temperature`: the run's `logprob_temperature`;
+    `full_logits`: also every position's logits (what top-k distillation reads); `buckets`:
+    rows in length buckets (`length_buckets`)."""
+    device = model.lm_head.weight.device
+    if batch.input_ids.device != device:
+        batch = batch.to(device)
+    rows = batch.response_rows
+    targets = batch.targets.reshape(-1).index_select(0, rows)
+    if full_logits:
+        out = forward_packed(model, batch, buckets=buckets)
+        flat = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, rows)
+        logp, ent = token_logprobs(flat, targets, temperature), entropy(flat)
+    else:
+        out = forward_packed(model, batch, HeadRequest(rows, targets, temperature, head_logprobs), buckets)
+        logp, ent = out.token_logprobs, out.token_entropy
+    return TokenOutputs(
+        scatter(logp, rows, batch.targets), scatter(ent, rows, batch.targets), out.logits, out
+    )
+
+
+def scatter(values: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`values` (N,) placed at flat `rows` of a zero tensor shaped `like` (B, T-1)."""
+    flat = values.new_zeros(like.numel()).index_add(0, rows, values)  # index_add: a cheap backward
+    return flat.view(like.shape)

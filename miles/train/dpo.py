@@ -116,7 +116,7 @@ def pair_logps(
                 response_sample(encode_prompt(tokenizer, p.prompt, chat), getattr(p, which), tokenizer)
             )
     batch = pack_samples(samples).to(model.lm_head.weight.device)
-    logp, _, _ = forward_logprobs(model, batch)
+    logp = forward_logprobs(model, batch).logprobs
     seq = sequence_logps(logp, batch.response_mask, average)
     return seq[: len(pairs)], seq[len(pairs) :]
 

@@ -21,7 +21,6 @@ from contextlib import nullcontext
 import torch
 
 from miles.algo.distill import attach_topk, sample_topk, topk_of, topk_reverse_kl
-from miles.algo.logprobs import entropy as entropy_of
 from miles.algo.losses import cispo_loss, kl_estimate, opsm_keep, policy_loss
 from miles.algo.masked import aggregate, masked_mean
 from miles.algo.mismatch import importance_weights, mismatch_metrics, routing_mismatch
@@ -70,6 +69,20 @@ def shares_prompts(cfg: RunConfig) -> bool:
         and train.moe_capacity_factor is None
         and train.expert_model_parallel_size == 1
         and not cfg.algo.deterministic_expert_routing
+    )
+
+
+def buckets_lengths(cfg: RunConfig, world: int) -> bool:
+    """Whether training forwards run in length buckets: the same cases as prompt sharing (the
+    forward's shape must not change what a token computes), and not under FSDP over several
+    ranks (every rank must run the same number of forwards: each gathers the weights)."""
+    sharded = world > 1 and cfg.train.data_parallel == "fsdp"
+    return (
+        cfg.train.length_buckets
+        and cfg.train.moe_capacity_factor is None
+        and cfg.train.expert_model_parallel_size == 1
+        and not cfg.algo.deterministic_expert_routing
+        and not sharded
     )
 
 
@@ -325,11 +338,13 @@ class PolicyTrainer:
         for part in self.micro_batches(range(len(samples)), samples):
             chunk = [samples[i] for i in part]
             batch = pack_samples(chunk, self.cfg.algo.use_r3 and replay, shares_prompts(self.cfg))
-            logp, logits, _ = forward_logprobs(model, batch, temperature)
+            result = forward_logprobs(
+                model, batch, temperature, bool(topk), buckets_lengths(self.cfg, self.world)
+            )
             for b, (i, s) in enumerate(zip(part, chunk)):
-                out[i] = logp[b, response_positions(s)].clone()
+                out[i] = result.logprobs[b, response_positions(s)].clone()
                 if topk:
-                    attach_topk(s, *topk_of(logits[b, response_positions(s)], topk, temperature))
+                    attach_topk(s, *topk_of(result.logits[b, response_positions(s)], topk, temperature))
         return out  # type: ignore[return-value]
 
     def reference_kl(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
@@ -467,7 +482,14 @@ class PolicyTrainer:
         its metrics: the `ADDITIVE_METRICS` as shares, the rest as this micro-batch's means."""
         cfg, algo = self.cfg, self.cfg.algo
         batch: PackedBatch = pack_samples(samples, algo.use_r3, shares_prompts(cfg)).to(self.device)
-        logp, logits, out = forward_logprobs(self.model, batch, cfg.rollout.logprob_temperature)
+        result = forward_logprobs(
+            self.model,
+            batch,
+            cfg.rollout.logprob_temperature,
+            bool(algo.opd_topk),
+            buckets_lengths(cfg, self.world),
+        )
+        logp, logits, out = result.logprobs, result.logits, result.out
         mask = batch.response_mask
         adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
         for b, s in enumerate(samples):
@@ -518,11 +540,11 @@ class PolicyTrainer:
             ppo_kl=float(pl.approx_kl),
         )
         if algo.entropy_coef > 0:
-            ent = aggregate(entropy_of(logits), mask, agg, norm, denominator)
+            ent = aggregate(result.entropy, mask, agg, norm, denominator)
             loss = loss - algo.entropy_coef * ent
         else:
             with torch.no_grad():
-                ent = aggregate(entropy_of(logits.detach()), mask, agg, norm, denominator)
+                ent = aggregate(result.entropy.detach(), mask, agg, norm, denominator)
         parts["entropy"] = float(ent.detach())
         if ref is not None and (coef := kl_loss_coef(self.cfg)) > 0:
             kl = aggregate(kl_estimate(logp, ref_t, algo.kl_loss_type), mask, agg, norm, denominator)

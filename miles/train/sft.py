@@ -141,7 +141,7 @@ def run_sft(cfg: SFTConfig) -> dict:
             sft_samples(rng.sample(items, min(cfg.batch_size, len(items))), tokenizer, cfg.chat)
         )
         batch = batch.to(model.lm_head.weight.device)
-        logp, _, _ = forward_logprobs(model, batch)
+        logp = forward_logprobs(model, batch).logprobs
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

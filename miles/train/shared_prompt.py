@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from miles.data.sample import Sample
-from miles.models.transformer import ModelOutput, Prefix, Transformer
+from miles.models.transformer import HeadRequest, ModelOutput, Prefix, Transformer
+from miles.train.length_buckets import bucketed_forward, in_order
 
 
 @dataclass
@@ -99,22 +100,48 @@ def plan_shared_prompts(samples: Sequence[Sample], replay_routing: bool) -> Shar
     )  # fmt: skip
 
 
-def shared_prompt_forward(model: Transformer, plan: SharedPrompts) -> ModelOutput:
+def shared_prompt_forward(
+    model: Transformer, plan: SharedPrompts, head: HeadRequest | None = None, overhead: int | None = None
+) -> ModelOutput:
     """The full forward's outputs (logits, router logits, routed experts) in its padded layout,
-    computed with each prompt once."""
+    computed with each prompt once. `head` (flat positions of the padded layout): the LM head
+    only there, in whichever pass computed each position (a response's first target is predicted
+    from its prompt's last token), and token_logprobs in `head`'s order instead of logits.
+    `overhead`: run the responses in length buckets (`length_buckets`) at that price per forward."""
+    split = plan.prompt_ids.numel()
+    first_head = rest_head = None
+    if head is not None:
+        table_rows = plan.gather.reshape(-1).index_select(0, head.rows)
+        in_first = table_rows < split
+        first_head = head.part(in_first, table_rows[in_first])
+        rest_head = head.part(~in_first, table_rows[~in_first] - split)
     first = model(
         plan.prompt_ids,
         attention_mask=plan.prompt_mask,
         forced_experts=plan.prompt_forced,
         collect_kv=True,
+        head=first_head,
     )
-    rest = model(
-        plan.resp_ids,
-        attention_mask=plan.resp_mask,
-        positions=plan.resp_positions,
-        forced_experts=plan.resp_forced,
-        prefix=Prefix(first.kv, plan.rows, plan.prompt_mask),
-    )
+
+    def responses(rows: torch.Tensor | slice, length: int, part_head: HeadRequest | None) -> ModelOutput:
+        if isinstance(rows, torch.Tensor):
+            rows = rows.to(plan.resp_ids.device)
+        forced = None if plan.resp_forced is None else plan.resp_forced[rows, :length]
+        return model(
+            plan.resp_ids[rows, :length],
+            attention_mask=plan.resp_mask[rows, :length],
+            positions=plan.resp_positions[rows, :length],
+            forced_experts=forced,
+            prefix=Prefix(first.kv, plan.rows[rows], plan.prompt_mask),
+            head=part_head,
+        )
+
+    width = plan.resp_ids.shape[1]
+    if overhead is None:
+        rest = responses(slice(None), width, rest_head)
+    else:
+        lengths = plan.resp_mask.sum(1).tolist()
+        rest = bucketed_forward(responses, lengths, width, rest_head, overhead)
 
     def full(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         table = torch.cat([a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:])])
@@ -124,8 +151,10 @@ def shared_prompt_forward(model: Transformer, plan: SharedPrompts) -> ModelOutpu
     routed = None
     if first.routed_experts is not None:
         routed = full(first.routed_experts, rest.routed_experts)
-    return ModelOutput(
-        logits=full(first.logits, rest.logits),
-        router_logits=[full(a, b) for a, b in zip(first.router_logits, rest.router_logits)],
-        routed_experts=routed,
-    )
+    router_logits = [full(a, b) for a, b in zip(first.router_logits, rest.router_logits)]
+    if head is None:
+        return ModelOutput(full(first.logits, rest.logits), router_logits, routed)
+    picks = [in_first.nonzero().squeeze(1), (~in_first).nonzero().squeeze(1)]
+    logp = in_order([first.token_logprobs, rest.token_logprobs], picks)
+    ent = in_order([first.token_entropy, rest.token_entropy], picks)
+    return ModelOutput(None, router_logits, routed, token_logprobs=logp, token_entropy=ent)

@@ -1,0 +1,41 @@
+"""Peer frameworks and engines for the benchmarks, installed on first use into a cache folder
+(`$MILES_PEERS`, default ~/.cache/miles/peers: `pip install --no-deps --target`), never into the
+project's requirements."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PEERS = Path(os.environ.get("MILES_PEERS", Path.home() / ".cache" / "miles" / "peers"))
+
+
+def peer(module: str, packages: list[str], folder: str | None = None):
+    """`module` imported from its folder of the peers' cache (`folder`, default the module's
+    name), where `packages` are installed first if it is missing; None, with the reason printed,
+    when it cannot be had."""
+    target = PEERS / (folder or module)
+    sys.path.insert(0, str(target))
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pass
+    print(f"installing {' '.join(packages)} into {target} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *packages],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode:
+        print(
+            f"{packages[0]}: cannot be installed here: {proc.stderr.strip().splitlines()[-1:]}",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        print(f"{packages[0]}: installed but does not import: {e}", file=sys.stderr)
+        return None
