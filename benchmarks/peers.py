@@ -1,6 +1,6 @@
 """Peer frameworks and engines for the benchmarks, installed on first use into a cache folder
-(`$MILES_PEERS`, default ~/.cache/miles/peers: `pip install --no-deps --target`), never into the
-project's requirements."""
+(`$MILES_PEERS`, default ~/.cache/miles/peers: `pip install --target`, a folder per peer), never
+into the project's requirements."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from pathlib import Path
 PEERS = Path(os.environ.get("MILES_PEERS", Path.home() / ".cache" / "miles" / "peers"))
 
 
-def peer(module: str, packages: list[str], folder: str | None = None):
+def peer(module: str, packages: list[str], folder: str | None = None, deps: bool = False):
     """`module` imported from its folder of the peers' cache (`folder`, default the module's
-    name), where `packages` are installed first if it is missing; None, with the reason printed,
-    when it cannot be had."""
+    name), where `packages` are installed first if it is missing (`deps`: with everything they
+    require, pinned versions included, in that folder only); None, with the reason printed, when
+    it cannot be had."""
     target = PEERS / (folder or module)
     sys.path.insert(0, str(target))
     try:
@@ -25,7 +26,8 @@ def peer(module: str, packages: list[str], folder: str | None = None):
         pass
     print(f"installing {' '.join(packages)} into {target} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *packages],
+        [sys.executable, "-m", "pip", "install", "-q", *([] if deps else ["--no-deps"]), "--target", str(target),
+         *packages],
         capture_output=True, text=True,
     )  # fmt: skip
     if proc.returncode:

@@ -13,6 +13,14 @@ own preallocated weights (what the engine's update_weights does). Transports:
 - to another process (a Ray actor copying into its own weights, as an engine does), checksummed:
   Ray object store (`put_buckets`, what `--sync-transport object-store` does) and the
   weight-update group's gloo broadcast (`--sync-transport broadcast`).
+
+`--delta`: what `--delta-sync` moves instead. SmolLM2-135M takes real AdamW steps at the
+quickstart's learning rate (1e-5, next-token loss on the model's own text) and each version is
+encoded against the last (`miles.sync.delta`), with the weights sent in fp32 and in bf16 (what a
+bf16 rollout receives): the changed fraction, the bytes moved against the full size, and the
+encode/decode seconds.
+
+    .venv/bin/python benchmarks/weight_sync.py --delta [--delta-steps 4]
 """
 
 from __future__ import annotations
@@ -144,6 +152,42 @@ def measure(mb: int, repeats: int, ray_too: bool) -> None:
     )
 
 
+def measure_delta(steps: int, lr: float = 1e-5) -> None:
+    from miles.models import registry
+    from miles.models.checkpoint import hf_state_dict
+    from miles.sync.delta import DeltaDecoder, DeltaEncoder
+
+    model, tokenizer = registry.load("smollm2")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = torch.tensor([tokenizer(text).input_ids] * 4)
+    sides = {dtype: (DeltaEncoder(dtype), DeltaDecoder()) for dtype in (torch.float32, torch.bfloat16)}
+    print(f"SmolLM2-135M, AdamW lr {lr}: each version against the last")
+    print("| step | dtype | changed elements | moved / full size | encode s | decode s |")
+    print("|---|---|---|---|---|---|")
+    for step in range(steps + 1):
+        named = list(hf_state_dict(model).items())
+        for dtype, (encoder, decoder) in sides.items():
+            full = sum(t.numel() for _, t in named) * dtype.itemsize
+            t0 = time.perf_counter()
+            delta = encoder.encode(named, step)
+            t1 = time.perf_counter()
+            decoder.apply(delta)
+            t2 = time.perf_counter()
+            kind = "full" if delta.base is None else "delta"
+            print(
+                f"| {step} ({kind}) | {str(dtype).removeprefix('torch.')} | {delta.changed_fraction:.1%} | "
+                f"{delta.moved_bytes / 1e6:.0f} MB / {full / 1e6:.0f} MB ({delta.moved_bytes / full:.1%}) | "
+                f"{t1 - t0:.2f} | {t2 - t1:.2f} |",
+                flush=True,
+            )
+        logits = model(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,7 +195,11 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2048])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray object-store transports")
+    parser.add_argument("--delta", action="store_true", help="only the delta-sync measurement")
+    parser.add_argument("--delta-steps", type=int, default=4)
     args = parser.parse_args()
+    if args.delta:
+        return measure_delta(args.delta_steps)
     if not args.no_ray:
         import ray
 

@@ -891,6 +891,12 @@ class SyncSection:
         "(broadcast on GPUs, object-store on CPU). --use-zero-copy-sync takes precedence on one host",
         choices=("auto", "object-store", "broadcast"),
     )
+    delta_sync: bool = option(
+        False,
+        "send only what changed since each engine's version: the XOR of every tensor's bits with the last "
+        "version's, zstd-compressed, checksummed; a refused delta (wrong version, bad checksum) is followed by "
+        "a full version. Ray engines over the object store (--sync-transport object-store)",
+    )
     async_weight_sync: bool = option(
         False,
         "one-step off-policy: rollout N+1 runs while step N trains, and step N's weights land in the engine at a "

@@ -91,6 +91,8 @@ def learn(run: Run, step: Step) -> None:
     step.metrics.update(
         sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
     )
+    if sync.changed_fraction is not None:
+        step.metrics["sync_changed_fraction"] = sync.changed_fraction
     log.debug(
         "rollout %d: weight sync v%d: %d tensors in %d buckets, %d bytes moved, %.3f s",
         rollout_id, rollout_id + 1, sync.tensors, sync.buckets, sync.moved_bytes, sync.seconds,

@@ -105,6 +105,7 @@ class EngineActor:
             **options,
         )
         self._mapped, self._mapped_blob = None, None  # zero-copy: the trainer's memory, mapped once
+        self._decoder = None  # --delta-sync: the last version received, to apply the next delta on
 
     def _mine(self, named):
         """The full HF tensors of a sync, cut to this rank's part for a tensor-parallel engine."""
@@ -147,7 +148,22 @@ class EngineActor:
         self.engine.abort_all()
         return self.engine.step() if self.engine.has_work() else []
 
+    def apply_delta(self, delta) -> bool:
+        """--delta-sync: the next version from a delta on the one this engine holds; False (the
+        weights untouched) when it does not apply here, and the sender then sends a full one."""
+        from miles.sync.delta import DeltaDecoder, DeltaRefused
+
+        self._decoder = self._decoder or DeltaDecoder()
+        try:
+            named = self._decoder.apply(delta)
+        except DeltaRefused as e:
+            log.warning("engine refused delta v%d: %s", delta.version, e)
+            return False
+        self.engine.update_weights(self._mine(named), version=delta.version)
+        return True
+
     def update_weights(self, buckets: list[tuple[BucketMeta, ray.ObjectRef]], version: int) -> int:
+        self._decoder = None  # weights that did not come as a delta: the chain starts again
         with self.engine.paused():  # all buckets land between the same two decoding steps
             for meta, ref in buckets:
                 flat = ref if isinstance(ref, torch.Tensor) else from_object_store(ray.get(ref))
@@ -304,6 +320,20 @@ class RolloutManager:
         self._sync_every_engine()
         return len(buckets)
 
+    def update_weights_from_delta(
+        self, source, delta_ref, version: int, bucket_bytes: int, only: list[int] | None = None
+    ) -> list[int]:
+        """--delta-sync: every engine (or those of `only`) applies the delta rank 0 put in the
+        object store; the engines that refused it. One that died meanwhile is restarted and given
+        full buckets from `source` (the trainer), so it refuses the next delta and rejoins the chain."""
+        self._buckets, self._handles, self._source, self.version = [], None, source, version
+        self._bucket_bytes = bucket_bytes
+        picked = range(len(self.engines)) if only is None else only
+        results = self._on_every_engine(
+            lambda group: [a.apply_delta.remote(delta_ref) for a in group], [self.engines[j] for j in picked]
+        )
+        return [j for j, ok in zip(picked, results) if ok is not None and not all(ok)]
+
     def update_weights_from_handles(self, blob: bytes, version: int) -> None:
         """Zero-copy: every actor maps the trainer's shared memory from the handles in `blob`."""
         self._buckets, self._handles, self._source, self.version = [], blob, None, version
@@ -340,18 +370,24 @@ class RolloutManager:
         the last call is restarted and synced again, so a sync never stops the run for it."""
         self._on_every_engine(self._resync)
 
-    def _on_every_engine(self, call) -> None:
-        """`call(group)`'s remote calls on every engine; an engine that died before or during
-        them is restarted and given the latest weights and draft (`_recover`)."""
-        refs = [call(group) for group in self.engines]
-        for j, engine_refs in enumerate(refs):
+    def _on_every_engine(self, call, groups: list | None = None) -> list:
+        """`call(group)`'s remote calls on every engine (or on `groups`), and their results; an
+        engine that died before or during them is restarted and given the latest weights and
+        draft (`_recover`), and its result is None."""
+        groups = self.engines if groups is None else groups
+        refs = [call(group) for group in groups]
+        results = []
+        for group, engine_refs in zip(groups, refs):
             try:
-                ray.get(engine_refs)
+                results.append(ray.get(engine_refs))
             except (RayActorError, RayTaskError) as e:
                 if not self._engine_died(e):
                     raise  # a bug or corrupted weights, not a dead process
+                j = self.engines.index(group)
                 log.warning("rollout engine %d died before a weight or draft update; restarting it", j)
                 self._recover(j)
+                results.append(None)
+        return results
 
     def _engine_died(self, e: Exception) -> bool:
         """An actor's process is gone, or (tensor-parallel) a rank failed because its peer died."""

@@ -172,6 +172,26 @@ class TrainerActor(GroupSender):
 
         return put_buckets(published_weights(self.actor.model, self._model_state()).items(), bucket_bytes)
 
+    def publish_delta(self, version: int):
+        """--delta-sync: what changed since the last version this rank sent, put in the object store
+        (the first, and the first after `reset_delta`, is a full version): (ref, bytes moved,
+        changed fraction, full bytes)."""
+        from miles.sync.delta import DeltaEncoder
+        from miles.sync.payload import published_weights
+
+        state = published_weights(self.actor.model, self._model_state())
+        if self.rank != 0:
+            return None
+        self._delta = getattr(self, "_delta", None) or DeltaEncoder()
+        delta = self._delta.encode(state.items(), version)
+        full = sum(t.numel() * t.element_size() for t in state.values())
+        return ray.put(delta), delta.moved_bytes, delta.changed_fraction, full
+
+    def reset_delta(self) -> None:
+        """The next `publish_delta` sends a full version (an engine refused a delta)."""
+        if getattr(self, "_delta", None) is not None:
+            self._delta.reset()
+
     def broadcast_weights(self, bucket_bytes: int):
         """Rank 0 broadcasts its weights to the engines (with FSDP every rank joins the gather)."""
         from miles.sync.payload import published_weights
@@ -415,6 +435,13 @@ class RayTrainer:
     def publish(self, bucket_bytes: int) -> list:
         """Rank 0's weights as object-store buckets, for `RolloutManager.update_weights_from_buckets`."""
         return self._from_rank0(lambda r: r.publish.remote(bucket_bytes))
+
+    def publish_delta(self, version: int):
+        """Rank 0's delta on the last version (`miles.sync.delta`): (ref, moved, changed, full bytes)."""
+        return self._from_rank0(lambda r: r.publish_delta.remote(version))
+
+    def reset_delta(self) -> None:
+        self._from_rank0(lambda r: r.reset_delta.remote())
 
     def _from_rank0(self, call):
         """Rank 0's answer to `call(rank)`; with FSDP every rank joins (the whole state is gathered)."""

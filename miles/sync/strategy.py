@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from miles.errors import MilesError
+from miles.errors import ConfigError, MilesError
 from miles.sync.buckets import checksum
 from miles.sync.payload import published_weights
 from miles.sync.transports import (
@@ -163,6 +163,31 @@ class ObjectStore(_RankZeroToEngines):
         return SyncStats(tensors, len(buckets), payload, payload, time.perf_counter() - t0)
 
 
+class DeltaObjectStore(_RankZeroToEngines):
+    """--delta-sync: rank 0 puts only what changed since the engines' version (`miles.sync.delta`);
+    engines that refuse it (a restarted one, a checksum that fails) get a full version."""
+
+    name = "Ray object store, deltas"
+
+    def push(self, version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        ref, moved, changed, payload = self.trainer.publish_delta(version)
+        refused = self.rollout.update_weights_from_delta(self.trainer, ref, version, self.bucket_bytes)
+        if refused:
+            log.warning(
+                "delta sync v%d refused by engine(s) %s; sending them a full version", version, refused
+            )
+            self.trainer.reset_delta()
+            ref, full, _, _ = self.trainer.publish_delta(version)
+            still = self.rollout.update_weights_from_delta(
+                self.trainer, ref, version, self.bucket_bytes, refused
+            )
+            if still:
+                raise MilesError(f"delta sync: engine(s) {still} refused a full version {version}")
+            moved += full * len(refused)
+        return SyncStats(0, 1, payload, moved, time.perf_counter() - t0, changed)
+
+
 class Broadcast(_RankZeroToEngines):
     """Rank 0 broadcasts to every engine over the weight-update group."""
 
@@ -202,11 +227,25 @@ class CheckedSync:
 
 
 def make_weight_sync(
-    transport: str, trainer, rollout, bucket_bytes: int, check_equal: bool, on_ray: bool = False
+    transport: str,
+    trainer,
+    rollout,
+    bucket_bytes: int,
+    check_equal: bool,
+    on_ray: bool = False,
+    delta: bool = False,
 ) -> WeightSync:
     """The strategy object for a transport chosen by `choose_transport`."""
     sync: WeightSync
-    if transport == "in-process":
+    if delta:
+        if transport != "object-store":
+            raise ConfigError(
+                f"--delta-sync sends deltas through the Ray object store, but this run syncs by {transport}; "
+                "use it with Ray engines (--rollout-num-engines) and --sync-transport object-store, "
+                "without --use-zero-copy-sync"
+            )
+        sync = DeltaObjectStore(trainer, rollout, bucket_bytes)
+    elif transport == "in-process":
         sync = InProcessBuckets(trainer, rollout, bucket_bytes)
     elif transport == "shared-memory":
         sync = SharedMemory(trainer, rollout, engine_in_process=not on_ray)
@@ -226,5 +265,6 @@ def weight_sync_for(
         shared_memory_available(),
     )  # fmt: skip
     return make_weight_sync(
-        transport, trainer, rollout, sync_cfg.sync_bucket_size, sync_cfg.check_weight_update_equal, on_ray
-    )
+        transport, trainer, rollout, sync_cfg.sync_bucket_size, sync_cfg.check_weight_update_equal, on_ray,
+        sync_cfg.delta_sync,
+    )  # fmt: skip

@@ -36,6 +36,7 @@ class SyncStats:
     payload_bytes: int = 0  # bytes of weights made available to the engine
     moved_bytes: int = 0  # bytes actually serialised or copied through the transport
     seconds: float = 0.0
+    changed_fraction: float | None = None  # delta sync: elements that changed since the last version
 
 
 class BucketBuffer:
