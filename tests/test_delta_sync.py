@@ -19,7 +19,9 @@ def train_a_little(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=gen)
     logits = model(ids).logits
-    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    ).backward()
     opt.step()
     opt.zero_grad()
 
@@ -56,7 +58,9 @@ def test_a_corrupted_delta_is_refused_and_a_full_version_repairs_it():
     first = delta.tensors[0]
     flipped = bytearray(first.payload)
     flipped[len(flipped) // 2] ^= 0xFF
-    bad = dataclasses.replace(delta, tensors=(dataclasses.replace(first, payload=bytes(flipped)), *delta.tensors[1:]))
+    bad = dataclasses.replace(
+        delta, tensors=(dataclasses.replace(first, payload=bytes(flipped)), *delta.tensors[1:])
+    )
     before = {n: t.clone() for n, t in decoder.state.items()}
     with pytest.raises(DeltaRefused):
         decoder.apply(bad)

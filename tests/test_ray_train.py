@@ -367,5 +367,7 @@ def test_delta_sync_in_miles_train(ray_cluster, tmp_path, local_run):
     got = read_metrics(tmp_path / "run")
     assert_same_run(local_run(4), got)
     synced = [r for r in got if "sync_changed_fraction" in r]
-    assert len(synced) == 4 and all(0.5 < r["sync_changed_fraction"] <= 1.0 for r in synced)  # fp32: most change
+    assert len(synced) == 4 and all(
+        0.5 < r["sync_changed_fraction"] <= 1.0 for r in synced
+    )  # fp32: most change
     assert any(r.get("engine_restarts", 0) > 0 for r in got)

@@ -109,6 +109,7 @@ class TrainerActor(GroupSender):
         prepare_train_model(policy, cfg)  # unified FP8: FP8 forward GEMMs over fp32 master weights
         self.rank, self.fsdp, self.device = rank, cfg.train.data_parallel == "fsdp", device
         self.ep = None  # --expert-model-parallel-size: this rank's share of the experts
+        self._delta = None  # --delta-sync on rank 0: the last version sent (DeltaEncoder)
         if cfg.train.expert_model_parallel_size > 1:
             from miles.train import expert_parallel
 
@@ -182,14 +183,15 @@ class TrainerActor(GroupSender):
         state = published_weights(self.actor.model, self._model_state())
         if self.rank != 0:
             return None
-        self._delta = getattr(self, "_delta", None) or DeltaEncoder()
+        if self._delta is None:
+            self._delta = DeltaEncoder()
         delta = self._delta.encode(state.items(), version)
         full = sum(t.numel() * t.element_size() for t in state.values())
         return ray.put(delta), delta.moved_bytes, delta.changed_fraction, full
 
     def reset_delta(self) -> None:
         """The next `publish_delta` sends a full version (an engine refused a delta)."""
-        if getattr(self, "_delta", None) is not None:
+        if self._delta is not None:
             self._delta.reset()
 
     def broadcast_weights(self, bucket_bytes: int):
