@@ -77,14 +77,14 @@ class DeltaEncoder:
         self.base, self.version = {}, None
 
     def encode(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightDelta:
-        named = [(name, t.detach().to("cpu", self.dtype or t.dtype).contiguous()) for name, t in named]
+        named = [(name, t, t.detach().to("cpu", self.dtype or t.dtype).contiguous()) for name, t in named]
         if self.version is not None and any(
-            name not in self.base or self.base[name].shape != t.shape for name, t in named
+            name not in self.base or self.base[name].shape != new.shape for name, _, new in named
         ):
             self.reset()  # a tensor the chain has never seen: start over with a full version
         full = self.version is None
         out = []
-        for name, new in named:
+        for name, source, new in named:
             old = self.base.get(name)
             if full:
                 diff, changed = tensor_bytes(new), new.numel()
@@ -98,7 +98,8 @@ class DeltaEncoder:
                     checksum_bytes(raw), changed,
                 )
             )  # fmt: skip
-            self.base[name] = new.clone()  # the trainer goes on updating its own tensor in place
+            # kept as sent; a copy only where `new` is the trainer's own tensor (updated in place next)
+            self.base[name] = new.clone() if new.data_ptr() == source.data_ptr() else new
         delta = WeightDelta(version, None if full else self.version, tuple(out))
         self.version = version
         return delta

@@ -66,25 +66,30 @@ def bucketed_forward(
     experts come back padded to `width` (zeros past each row's bucket), token log-probs and
     entropies in `head`'s order."""
     buckets = plan_buckets(lengths, overhead)
+    bucket_of = torch.empty(len(lengths), dtype=torch.long)  # each row's bucket, and its place in it
+    place = torch.empty(len(lengths), dtype=torch.long)
+    for k, bucket in enumerate(buckets):
+        bucket_of[bucket] = k
+        place[bucket] = torch.arange(len(bucket))
+    if head is not None:
+        device = head.rows.device
+        row_of, col = head.rows // width, head.rows % width
+        head_bucket, head_place = bucket_of.to(device)[row_of], place.to(device)[row_of]
     outs, head_order = [], []
     slot = torch.full((len(lengths) * width,), -1, dtype=torch.long)  # padded position -> table row
     offset = 0
-    for bucket in buckets:
+    for k, bucket in enumerate(buckets):
         length = max(1, max(lengths[r] for r in bucket))
         rows = torch.tensor(bucket, dtype=torch.long)
-        local = torch.arange(length)
         slot.view(len(lengths), width)[rows, :length] = (
-            offset + torch.arange(len(bucket))[:, None] * length + local
+            offset + torch.arange(len(bucket))[:, None] * length + torch.arange(length)
         )
         offset += len(bucket) * length
         sub_head = None
         if head is not None:
-            row_of, col = head.rows // width, head.rows % width
-            where = torch.full((len(lengths),), -1, dtype=torch.long, device=row_of.device)
-            where[rows.to(row_of.device)] = torch.arange(len(bucket), device=row_of.device)
-            picked = (where[row_of] >= 0).nonzero().squeeze(1)
+            picked = (head_bucket == k).nonzero().squeeze(1)
             head_order.append(picked)
-            sub_head = head.part(picked, where[row_of[picked]] * length + col[picked])
+            sub_head = head.part(picked, head_place[picked] * length + col[picked])
         outs.append(call(rows, length, sub_head))
     slot = torch.where(slot < 0, offset, slot)  # padding reads an appended zero row
 

@@ -72,7 +72,7 @@ def shares_prompts(cfg: RunConfig) -> bool:
     )
 
 
-def buckets_lengths(cfg: RunConfig, world: int) -> bool:
+def uses_length_buckets(cfg: RunConfig, world: int) -> bool:
     """Whether training forwards run in length buckets: the same cases as prompt sharing (the
     forward's shape must not change what a token computes), and not under FSDP over several
     ranks (every rank must run the same number of forwards: each gathers the weights)."""
@@ -339,7 +339,7 @@ class PolicyTrainer:
             chunk = [samples[i] for i in part]
             batch = pack_samples(chunk, self.cfg.algo.use_r3 and replay, shares_prompts(self.cfg))
             result = forward_logprobs(
-                model, batch, temperature, bool(topk), buckets_lengths(self.cfg, self.world)
+                model, batch, temperature, bool(topk), uses_length_buckets(self.cfg, self.world)
             )
             for b, (i, s) in enumerate(zip(part, chunk)):
                 out[i] = result.logprobs[b, response_positions(s)].clone()
@@ -487,7 +487,7 @@ class PolicyTrainer:
             batch,
             cfg.rollout.logprob_temperature,
             bool(algo.opd_topk),
-            buckets_lengths(cfg, self.world),
+            uses_length_buckets(cfg, self.world),
         )
         logp, logits, out = result.logprobs, result.logits, result.out
         mask = batch.response_mask
