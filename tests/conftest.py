@@ -202,6 +202,21 @@ def comparable(records: list[dict]) -> list[dict]:
     ]
 
 
+def record_trained(monkeypatch) -> list[tuple[int, list]]:
+    """(rollout id, samples) of every training step of the runs that follow, as the learner got them."""
+    from miles.runtime.learner import Learner
+
+    trained: list[tuple[int, list]] = []
+    real = Learner.train
+
+    def spy(self, groups, rollout_id):
+        trained.append((rollout_id, [s for g in groups for s in g]))
+        return real(self, groups, rollout_id)
+
+    monkeypatch.setattr(Learner, "train", spy)
+    return trained
+
+
 def check_async_run(out: Path, flags: list[str], monkeypatch) -> list[dict]:
     """A 5-step async run: every step trains, no sample is dropped, staleness is 0 or 1 and 1
     occurs (the overlap is real); returns the metrics."""

@@ -113,7 +113,7 @@ CASES = [
     (["--draft-lr", "0.01"], "--draft-lr has no effect without a draft; add --draft-model"),
     (["--partial-rollout"], "add --over-sampling-batch-size above 2"),
     (["--save-interval", "2"], "add --save DIR"),
-    (["--max-staleness", "2"], "add --async-weight-sync"),
+    (["--max-staleness", "2"], "add --rollout-mode fully-async or --async-weight-sync"),
     (["--resume-if-present"], "add --load DIR"),
     (["--opsm-delta", "0.01"], "add --use-opsm"),
     (["--mismatch-dump-samples", "2"], "add --mismatch-dump-interval N"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from miles.config import load_config
 from miles.data.sample import Sample, Status
 from miles.rollout.partial import join
-from tests.conftest import small_run_args
+from tests.conftest import record_trained, small_run_args
 
 
 def test_join_concatenates_the_pieces_and_masks_the_old_part_when_asked():
@@ -30,16 +30,8 @@ def check_partial_run(out, monkeypatch, extra: list[str]) -> None:
     resumed sample's tokens carry the versions of the weights that produced them."""
     from miles.diagnostics.metrics_file import read_metrics
     from miles.run import train
-    from miles.runtime.learner import Learner
 
-    trained: list[tuple[int, list[Sample]]] = []
-    real = Learner.train
-
-    def spy(self, groups, rollout_id):
-        trained.append((rollout_id, [s for g in groups for s in g]))
-        return real(self, groups, rollout_id)
-
-    monkeypatch.setattr(Learner, "train", spy)
+    trained = record_trained(monkeypatch)
     flags = ["--partial-rollout", "--over-sampling-batch-size", "8", "--rollout-max-response-len", "40",
              "--rollout-temperature", "1.0", "--eval-size", "0", *extra]  # fmt: skip
     train(load_config(small_run_args(out, 4) + flags))

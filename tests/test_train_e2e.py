@@ -293,8 +293,16 @@ def test_default_job_settings_run_on_a_dense_model(tmp_path):
             "--rollout-max-response-len",
             "12",
         ],
+        [
+            "--rollout-mode",
+            "fully-async",
+            "--over-sampling-batch-size",
+            "6",
+            "--rollout-max-response-len",
+            "12",
+        ],
     ],  # fmt: skip
-    ids=["async", "partial", "online-draft", "async-partial"],
+    ids=["async", "partial", "online-draft", "async-partial", "fully-async"],
 )
 def test_resume_continues_each_mode_as_if_never_stopped(tmp_path, mode):
     """Stopped after rollout 1 and resumed, a run equals the uninterrupted one: the checkpoint

@@ -588,6 +588,7 @@ def true_on_policy_conflicts(cfg: RunConfig) -> list[tuple[str, str]]:
         ("--rollout-num-gpus-per-engine", sync.rollout_num_gpus_per_engine > 1, f"tensor-parallel engines: {arithmetic}"),
         ("--async-weight-sync", sync.async_weight_sync, off_policy),
         ("--partial-rollout", rollout.partial_rollout, off_policy),
+        ("--rollout-mode fully-async", sync.rollout_mode == "fully-async", off_policy),
         ("--update-weights-interval", sync.update_weights_interval > 1, off_policy),
         ("--lora-rank", cfg.lora.enabled, f"the engines serve the adapter merged into the weights: {arithmetic}"),
     ]  # fmt: skip
@@ -703,7 +704,52 @@ def validate(given: RunConfig) -> RunConfig:
     validate_opd(cfg)
     validate_faults(cfg)
     validate_overlong(cfg)
+    validate_async(cfg)
     return cfg
+
+
+def validate_async(cfg: RunConfig) -> None:
+    """Fully-async rollouts replace partial rollout, and need an off-policy correction.
+
+    A fully-async run trains tokens up to --max-staleness versions old: without a correction the
+    ratio to the policy that sampled them goes unchecked, which can collapse a run, so it is
+    refused unless --allow-uncorrected-async accepts that. A one-step --async-weight-sync run
+    (staleness <= 1) is only warned: it is the established mode and far milder."""
+    sync, algo = cfg.sync, cfg.algo
+    fully_async = sync.rollout_mode == "fully-async"
+    if fully_async:
+        clashes = {
+            "--partial-rollout": cfg.rollout.partial_rollout,
+            "--rollout-backend sglang": cfg.sglang.rollout_backend == "sglang",
+            "--debug-train-only": cfg.debug.debug_train_only,
+            "--rollout-num-gpus-per-engine > 1": sync.rollout_num_gpus_per_engine > 1,
+            cfg.agent.mode_flag or "": cfg.agent.mode_flag is not None,
+            "--env-path": bool(cfg.co_evolution.env_path),
+        }
+        on = [flag for flag, value in clashes.items() if value]
+        if on:
+            raise ConfigError(
+                f"--rollout-mode fully-async does not combine with {', '.join(on)}: it carries unfinished "
+                "responses itself (what --partial-rollout does), on single-turn rollouts of miles' own engines"
+            )
+    if not (fully_async or sync.async_weight_sync) or algo.use_tis or algo.use_opsm:
+        return
+    if sync.allow_uncorrected_async:
+        log.warning(
+            "async rollout without an off-policy correction (--allow-uncorrected-async): stale tokens are "
+            "trained as if on-policy"
+        )
+    elif fully_async:
+        raise ConfigError(
+            "--rollout-mode fully-async trains tokens from older weights and needs an off-policy correction: add "
+            "--use-tis (truncated importance sampling; --tis-mode mask for MIS) or --use-opsm, or accept the risk "
+            "with --allow-uncorrected-async"
+        )
+    else:
+        log.warning(
+            "--async-weight-sync without an off-policy correction: tokens one version old are trained as if "
+            "on-policy; add --use-tis or --use-opsm (or --allow-uncorrected-async to silence this)"
+        )
 
 
 def validate_overlong(cfg: RunConfig) -> None:

@@ -902,10 +902,29 @@ class SyncSection:
         "one-step off-policy: rollout N+1 runs while step N trains, and step N's weights land in the engine at a "
         "decoding-step boundary of rollout N+1 (versions tracked per sample)",
     )
-    max_staleness: int = option(
-        1,
-        "with --async-weight-sync: drop samples whose oldest weight version is more than this many steps behind the trainer",
+    rollout_mode: str = option(
+        "sync",
+        "sync | fully-async: the engines keep generating while the trainer trains; each version lands between "
+        "decoding steps and unfinished responses continue under it; a prompt starts only if it can train within "
+        "--max-staleness versions, finished groups train oldest first (needs --use-tis or --use-opsm)",
+        choices=("sync", "fully-async"),
+    )
+    max_staleness: int | None = option(
+        None,
+        "how many weight versions a trained sample may lag the trainer: with --rollout-mode fully-async the bound "
+        "admission control keeps (default 2); with --async-weight-sync the bound --drop-stale enforces (default 1)",
         bounds="[0, inf)",
+    )
+    drop_stale: bool = option(
+        False,
+        "discard groups staler than --max-staleness instead of pacing the engines. Biased: long responses are the "
+        "ones that go stale, so training drifts toward short, easy problems, and a problem slower than the bound is "
+        "never trained on (the doctor's length-drift check shows it)",
+    )
+    allow_uncorrected_async: bool = option(
+        False,
+        "accept an async run with no off-policy correction (no --use-tis / --use-opsm): the ratio to the rollout "
+        "policy goes uncorrected, which can collapse training",
     )
     update_weights_interval: int = option(1, "push weights to the engine every N rollouts", bounds="[1, inf)")
     check_weight_update_equal: bool = option(
@@ -938,14 +957,38 @@ class SyncSection:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
     def check(self) -> None:
-        if self.max_staleness != 1 and not self.async_weight_sync:
+        fully_async = self.rollout_mode == "fully-async"
+        if not (self.async_weight_sync or fully_async):
+            for flag, given in (
+                ("--max-staleness", self.max_staleness is not None),
+                ("--drop-stale", self.drop_stale),
+                ("--allow-uncorrected-async", self.allow_uncorrected_async),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"{flag} applies to async rollouts; add --rollout-mode fully-async or --async-weight-sync, "
+                        "or remove it"
+                    )
+        if fully_async and self.async_weight_sync:
             raise ConfigError(
-                "--max-staleness bounds how old an --async-weight-sync rollout may be; add --async-weight-sync or "
-                "remove it"
+                "--rollout-mode fully-async already overlaps rollout and training (and lands each version in "
+                "flight); drop --async-weight-sync"
             )
+        if self.max_staleness is None and (fully_async or self.async_weight_sync):
+            self.max_staleness = 2 if fully_async else 1
         if self.async_weight_sync and self.max_staleness < 1:
             raise ConfigError(
                 "--max-staleness must be >= 1 with --async-weight-sync (rollout N+1 is one step behind)"
+            )
+        if fully_async and self.max_staleness < 1:
+            raise ConfigError(
+                "--max-staleness must be >= 1 with --rollout-mode fully-async (the engines generate the next "
+                "batch with weights one version behind the trainer)"
+            )
+        if fully_async and self.colocate:
+            raise ConfigError(
+                "--colocate with --rollout-mode fully-async: colocated rollout and training take turns on the same "
+                "devices, so they cannot overlap; drop one of them"
             )
         if (self.rollout_num_gpus or 1) % self.rollout_num_gpus_per_engine:
             raise ConfigError(

@@ -41,6 +41,8 @@ THRESHOLDS = {
     "tool_error_frac": 0.3,  # median share of tool calls that end in an error observation
     "turn_limit_frac": 0.25,  # median share of conversations cut at --max-turns with a call pending
     "trajectory_cut_frac": 0.25,  # median share cut by the response budget (not the turn limit)
+    "length_drift": 0.1,  # trained response length below the generated one by this fraction (async)
+    "staleness_at_bound": 0.5,  # median share of trained samples as stale as --max-staleness allows
 }
 
 
@@ -805,6 +807,104 @@ def weight_sync_share(run: RunRecord, compare: RunRecord | None):
     if not run.setting("sync.async_weight_sync"):
         remedies.append(Remedy(["--async-weight-sync"], "the sync of step N lands during rollout N+1"))
     return "moving the weights to the engines costs as much as the work", evidence, remedies
+
+
+def _async(run: RunRecord) -> bool:
+    return bool(run.setting("sync.async_weight_sync")) or run.setting("sync.rollout_mode") == "fully-async"
+
+
+def _weighted_mean(run: RunRecord, metric: str) -> float | None:
+    """`metric`'s mean over the run, each step weighted by the samples it trained."""
+    pairs = [
+        (r[metric], r.get("train_samples", 1)) for r in run.steps if isinstance(r.get(metric), (int, float))
+    ]
+    weight = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / weight if weight else None
+
+
+@check("length_drift", "async training sees shorter responses than the engines generate")
+def length_drift(run: RunRecord, compare: RunRecord | None):
+    generated, trained = (
+        _weighted_mean(run, "response_len_generated_mean"),
+        _weighted_mean(run, "response_len_mean"),
+    )
+    if not generated or trained is None or trained >= generated * (1 - THRESHOLDS["length_drift"]):
+        return None
+    dropped = sum(run.values("stale_dropped"))
+    evidence = [
+        Evidence("response_len_mean (trained)", trained, note="mean over the run"),
+        Evidence(
+            "response_len_generated_mean",
+            generated,
+            threshold=THRESHOLDS["length_drift"],
+            note=f"trained {1 - trained / generated:.0%} shorter; {dropped:g} groups dropped as stale",
+        ),
+    ]
+    remedies = []
+    if run.setting("sync.drop_stale"):
+        remedies.append(
+            Remedy(
+                ["--rollout-mode", "fully-async"]
+                if run.setting("sync.rollout_mode") != "fully-async"
+                else [],
+                "remove --drop-stale: admission control paces the engines instead, and trains every response",
+            )
+        )
+    remedies.append(
+        Remedy(
+            ["--max-staleness", str((run.setting("sync.max_staleness") or 1) * 2)],
+            "long responses may stay in flight for more versions before they are due",
+        )
+    )
+    return (
+        "long responses finish late and are discarded as stale (or still wait at the end)",
+        evidence,
+        remedies,
+    )
+
+
+@check("async_uncorrected", "an async run trains stale tokens without an off-policy correction")
+def async_uncorrected(run: RunRecord, compare: RunRecord | None):
+    if not _async(run) or run.setting("algo.use_tis") or run.setting("algo.use_opsm"):
+        return None
+    stale = run.median("staleness_mean")
+    if not stale:
+        return None
+    evidence = [Evidence("staleness_mean", stale, note="median over steps; no --use-tis, no --use-opsm")]
+    remedies = [
+        Remedy(
+            ["--use-tis"], "weight each token by min(pi_train / pi_rollout, C): the stale part is corrected"
+        ),
+        Remedy(["--use-tis", "--tis-mode", "mask"], "MIS: mask tokens whose ratio leaves the trust band"),
+        Remedy(["--use-opsm"], "mask sequences whose mean log-ratio to the rollout policy is too large"),
+    ]
+    return "tokens from older weights are trained as if on-policy (a run can collapse)", evidence, remedies
+
+
+@check("staleness_at_bound", "most trained samples are as stale as --max-staleness allows")
+def staleness_at_bound(run: RunRecord, compare: RunRecord | None):
+    if run.setting("sync.rollout_mode") != "fully-async":
+        return None
+    found = _median_over(run, "staleness_at_bound_frac", "staleness_at_bound")
+    if found is None:
+        return None
+    bound = run.setting("sync.max_staleness") or 2
+    remedies = [
+        Remedy(
+            ["--max-staleness", str(bound + 1)], "more versions in flight before a group is due (keep TIS on)"
+        ),
+        Remedy(
+            ["--rollout-num-gpus", str(2 * (run.setting("sync.rollout_num_gpus") or 1))],
+            "more engines: the batch is ready sooner",
+        ),
+    ]
+    if run.setting("rollout.over_sampling_batch_size"):
+        remedies.append(Remedy([], "a smaller --over-sampling-batch-size: fewer groups wait in flight"))
+    return (
+        "the pacing binds: the trainer keeps waiting for groups at their deadline, so the engines set the pace",
+        found,
+        remedies,
+    )
 
 
 @check("memory_growth", "per-step peak memory keeps growing")

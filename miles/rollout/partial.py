@@ -30,6 +30,8 @@ from miles.rollout.sampling import Request, SamplingParams
 class _Group:
     samples: list[Sample | None]  # finished, partial (ABORTED) or None (not started)
     requests: list[Request] = field(default_factory=list)  # a new group's, until they are sent
+    index: int = 0  # fully-async: the order it was admitted in (trained oldest first)
+    version: int = 0  # fully-async: the engine's weight version when it was admitted
 
     @property
     def complete(self) -> bool:
@@ -70,22 +72,6 @@ class PartialRollout:
         self.cfg = cfg
         self.carried: list[_Group] = []
 
-    def _continue(self, group: _Group, rollout_id: int, g: int) -> list[tuple[int, Request]]:
-        """(sample index, request) continuing each cut-off sample of a carried group from its tokens."""
-        rollout_cfg = self.cfg.rollout
-        requests = []
-        for k, s in enumerate(group.samples):
-            if s is None or s.status != Status.ABORTED:
-                continue
-            params = SamplingParams(
-                temperature=rollout_cfg.rollout_temperature, top_p=rollout_cfg.rollout_top_p,
-                top_k=rollout_cfg.rollout_top_k,
-                max_new_tokens=rollout_cfg.rollout_max_response_len - s.response_length,
-                seed=continuation_seed(rollout_cfg.rollout_seed, rollout_id, g, k),
-            )  # fmt: skip
-            requests.append((k, Request(list(s.tokens), params)))
-        return requests
-
     def _generate(self, engine, take, groups: list[_Group], done: list[_Group], rollout_id: int) -> None:
         """Top the groups up with new prompts, run new and carried requests until enough groups
         are complete (appended to `done`), and leave every sample in its group: finished or cut off."""
@@ -96,41 +82,8 @@ class PartialRollout:
             temperature, seed = rollout_cfg.rollout_temperature, rollout_cfg.rollout_seed
             requests = group_requests(engine, item, cfg, rollout_id, i, n, temperature, seed)
             groups.append(_Group([None] * n, requests))
-        # slot[i]: (group, sample index) of request i, named in its sample's metadata
-        requests, slot = [], []
-        for g, group in enumerate(groups):
-            todo = list(enumerate(group.requests)) or self._continue(group, rollout_id, g)
-            for k, r in todo:
-                if r.sample is None:
-                    r.sample = Sample()
-                r.sample.metadata["partial_slot"] = len(slot)  # survives a trip to a Ray engine and back
-                slot.append((group, k))
-                requests.append(r)
-            group.requests = []
-        mask_old = rollout_cfg.mask_offpolicy_in_partial_rollout
-        placed: list[Sample] = []
-
-        def place(sample: Sample) -> _Group:
-            group, k = slot[sample.metadata.pop("partial_slot")]
-            before = group.samples[k]
-            if before is not None and before.status == Status.ABORTED:
-                # continued: join the pieces; cut off again before a new token: keep what it had
-                sample = join(before, sample, mask_old) if sample.response_length else before
-            group.samples[k] = sample
-            return group
-
-        def enough(finished: list[Sample]) -> bool:
-            for sample in finished[len(placed) :]:
-                placed.append(sample)
-                group = place(sample)
-                if group.complete and group not in done:
-                    done.append(group)
-            return len(done) >= want
-
-        finished, aborted = engine.generate_until(requests, enough)
-        enough(finished)
-        for sample in aborted:
-            place(sample)
+        before = len(done)
+        done += advance(engine, groups, cfg, rollout_id, lambda completed: before + len(completed) >= want)
 
     def state_dict(self) -> dict:
         """The groups carried to the next rollout (every request sent: samples finished or cut off)."""
@@ -164,3 +117,65 @@ class PartialRollout:
         metrics["partial_resumed_samples"] = carried_samples
         metrics["partial_groups_carried"] = len(self.carried)
         return out, metrics
+
+
+def advance(
+    engine, groups: list[_Group], cfg: RunConfig, rollout_id: int, stop: Callable[[list[_Group]], bool]
+) -> list[_Group]:
+    """Send the groups' new requests and continue their cut-off samples until `stop(the groups
+    completed so far, in completion order)` holds; cut off the rest there (each sample stays in its
+    group, finished or cut off). Returns the groups this call completed, in completion order."""
+    requests, slot = [], []  # slot[i]: (group, sample index) of request i, named in its sample's metadata
+    for g, group in enumerate(groups):
+        todo = list(enumerate(group.requests)) or _continuations(cfg, group, rollout_id, g)
+        for k, r in todo:
+            if r.sample is None:
+                r.sample = Sample()
+            r.sample.metadata["partial_slot"] = len(slot)  # survives a trip to a Ray engine and back
+            slot.append((group, k))
+            requests.append(r)
+        group.requests = []
+    mask_old = cfg.rollout.mask_offpolicy_in_partial_rollout
+    placed: list[Sample] = []
+    completed: list[_Group] = []
+
+    def place(sample: Sample) -> _Group:
+        group, k = slot[sample.metadata.pop("partial_slot")]
+        before = group.samples[k]
+        if before is not None and before.status == Status.ABORTED:
+            # continued: join the pieces; cut off again before a new token: keep what it had
+            sample = join(before, sample, mask_old) if sample.response_length else before
+        group.samples[k] = sample
+        return group
+
+    def enough(finished: list[Sample]) -> bool:
+        for sample in finished[len(placed) :]:
+            placed.append(sample)
+            group = place(sample)
+            if group.complete and group not in completed:
+                completed.append(group)
+        return stop(completed)
+
+    if requests:
+        finished, aborted = engine.generate_until(requests, enough)
+        enough(finished)
+        for sample in aborted:
+            place(sample)
+    return completed
+
+
+def _continuations(cfg: RunConfig, group: _Group, rollout_id: int, g: int) -> list[tuple[int, Request]]:
+    """(sample index, request) continuing each cut-off sample of a carried group from its tokens."""
+    rollout_cfg = cfg.rollout
+    requests = []
+    for k, s in enumerate(group.samples):
+        if s is None or s.status != Status.ABORTED:
+            continue
+        params = SamplingParams(
+            temperature=rollout_cfg.rollout_temperature, top_p=rollout_cfg.rollout_top_p,
+            top_k=rollout_cfg.rollout_top_k,
+            max_new_tokens=rollout_cfg.rollout_max_response_len - s.response_length,
+            seed=continuation_seed(rollout_cfg.rollout_seed, rollout_id, g, k),
+        )  # fmt: skip
+        requests.append((k, Request(list(s.tokens), params)))
+    return requests

@@ -86,8 +86,8 @@ def learn(run: Run, step: Step) -> None:
     rollout_id = step.rollout_id
     if not run.learner.trains_policy(rollout_id) or not due(run.cfg.sync.update_weights_interval, rollout_id):
         return
-    with run.parts.phase("sync", step):
-        sync = run.executor.sync.push(rollout_id + 1)
+    with run.parts.phase("sync", step):  # fully-async: where the segment running now ends
+        sync = run.feed.land(rollout_id + 1, run.executor.sync.push)
     step.metrics.update(
         sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
     )
