@@ -17,7 +17,7 @@ own preallocated weights (what the engine's update_weights does). Transports:
 `--delta`: what `--delta-sync` moves instead. SmolLM2-135M takes real AdamW steps at the
 quickstart's learning rate (1e-5, next-token loss on the model's own text) and each version is
 encoded against the last (`miles.sync.delta`), with the weights sent in fp32 and in bf16 (what a
-bf16 rollout receives): the changed fraction, the bytes moved against the full size, and the
+bf16 rollout receives) and as an FP8 engine holds them (e4m3 codes with block scales): the changed fraction, the bytes moved against the full size, and the
 encode/decode seconds.
 
     .venv/bin/python benchmarks/weight_sync.py --delta [--delta-steps 4]
@@ -152,6 +152,21 @@ def measure(mb: int, repeats: int, ray_too: bool) -> None:
     )
 
 
+def fp8_weights(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """What an FP8 rollout engine holds: each matrix as e4m3 codes with a scale per 128x128 block
+    (miles' blockwise recipe), vectors (norms) in bf16."""
+    from miles.quant.fp8 import FP8Recipe, quantize
+
+    out = []
+    for name, t in named:
+        if t.dim() == 2:
+            codes, scale = quantize(t, FP8Recipe())
+            out += [(name, codes), (name + ".scale", scale)]
+        else:
+            out.append((name, t.to(torch.bfloat16)))
+    return out
+
+
 def measure_delta(steps: int, lr: float = 1e-5) -> None:
     from miles.models import registry
     from miles.models.checkpoint import hf_state_dict
@@ -162,15 +177,18 @@ def measure_delta(steps: int, lr: float = 1e-5) -> None:
     text = "The quick brown fox jumps over the lazy dog. " * 8
     ids = torch.tensor([tokenizer(text).input_ids] * 4)
     sides = {dtype: (DeltaEncoder(dtype), DeltaDecoder()) for dtype in (torch.float32, torch.bfloat16)}
+    sides["fp8"] = (DeltaEncoder(), DeltaDecoder())  # what an FP8 engine holds: codes + block scales
     print(f"SmolLM2-135M, AdamW lr {lr}: each version against the last")
     print("| step | dtype | changed elements | moved / full size | encode s | decode s |")
     print("|---|---|---|---|---|---|")
     for step in range(steps + 1):
         named = list(hf_state_dict(model).items())
         for dtype, (encoder, decoder) in sides.items():
-            full = sum(t.numel() for _, t in named) * dtype.itemsize
+            sent = fp8_weights(named) if dtype == "fp8" else named
+            itemsize = {"fp8": None}.get(dtype, getattr(dtype, "itemsize", None))
+            full = sum(t.numel() * (itemsize or t.element_size()) for _, t in sent)
             t0 = time.perf_counter()
-            delta = encoder.encode(named, step)
+            delta = encoder.encode(sent, step)
             t1 = time.perf_counter()
             decoder.apply(delta)
             t2 = time.perf_counter()

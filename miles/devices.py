@@ -183,3 +183,25 @@ def human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+def yield_to_trainer(whole_process: bool = False) -> None:
+    """Fully-async on CPU cores shared with training: rollout threads run at a lower OS priority,
+    so the trainer (the critical path of an overlapped step) keeps its core and the engines use
+    what it leaves. With equal priority the scheduler splits the cores evenly and the trainer
+    slows by about as much as the overlap saves. `whole_process`: every thread of this process
+    (an engine actor); else the calling thread (Linux priorities are per thread, and threads it
+    starts inherit it)."""
+    import os
+    import threading
+
+    tids = (
+        [int(t) for t in os.listdir("/proc/self/task")]
+        if whole_process and os.path.isdir("/proc/self/task")
+        else []
+    )
+    for tid in tids or [threading.get_native_id()]:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)  # the lowest: Ray starts its workers at 15
+        except (PermissionError, ProcessLookupError):  # a thread that ended meanwhile; a locked-down host
+            pass

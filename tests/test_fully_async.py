@@ -219,3 +219,16 @@ def test_the_doctor_names_the_discard_drift_and_an_uncorrected_async_run():
     for share, fires in ((0.25, False), (1.0, True)):  # the step engine's long tails do sit at the bound
         records = [{**r, "staleness_at_bound_frac": share} for r in healthy.records]
         assert (staleness_at_bound(RunRecord("run", healthy.config, records), None) is not None) == fires
+
+
+def test_a_checkpoint_of_another_mode_starts_the_schedule_at_its_step():
+    """Resumed at step 5 from a checkpoint without fully-async state, the first segment admits
+    one batch's worth (not the five batches a schedule starting at 0 would owe), and is due by
+    step 5 + N."""
+    cfg = load_config(small_run_args("/tmp/unused", 8) + ["--rollout-mode", "fully-async", "--use-tis"])
+    schedule, engine = FullyAsyncRollout(cfg), StepEngine(slots=64)
+    schedule.start_at(5)
+    schedule.run_segment(engine, lambda k: [PromptItem(f"short {i}") for i in range(k)])
+    assert schedule.admitted - 5 * cfg.rollout.rollout_batch_size == cfg.rollout.rollout_batch_size
+    groups, _ = schedule.take_batch(5)
+    assert len(groups) == cfg.rollout.rollout_batch_size and schedule.segment == 6

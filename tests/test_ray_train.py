@@ -350,24 +350,49 @@ def test_lora_on_ray_ranks_and_engines_matches_the_local_run(ray_cluster, tmp_pa
     )  # the adapters: 4 x (64 + out) a layer; the model is 7 MB
 
 
-def test_delta_sync_in_miles_train(ray_cluster, tmp_path, local_run):
-    """--delta-sync over 2 Ray engines: every engine's weights equal the trainer's after each
-    push (--check-weight-update-equal), the run equals the one-process run, and an engine killed
-    at rollout 2 comes back, refuses the next delta (its chain is gone) and is sent a full version."""
+@pytest.mark.parametrize("transport", ["object-store", "broadcast"])
+def test_delta_sync_in_miles_train(ray_cluster, tmp_path, local_run, transport):
+    """--delta-sync over 2 Ray engines, by object store and over the weight-update group: every
+    engine's weights equal the trainer's after each push (--check-weight-update-equal), the run
+    equals the one-process run, and an engine killed at rollout 2 comes back, refuses the next
+    delta (its chain is gone) and is sent a full version."""
     from miles.config import load_config
     from miles.diagnostics.metrics_file import read_metrics
     from miles.run import train
     from tests.conftest import small_run_args
 
     args = small_run_args(tmp_path / "run", 4) + [
-        "--rollout-num-gpus", "2", "--sync-transport", "object-store", "--delta-sync",
+        "--rollout-num-gpus", "2", "--sync-transport", transport, "--delta-sync",
         "--check-weight-update-equal", "--fault-inject", "engine@rollout:2",
     ]  # fmt: skip
     train(load_config(args))
     got = read_metrics(tmp_path / "run")
     assert_same_run(local_run(4), got)
     synced = [r for r in got if "sync_changed_fraction" in r]
-    assert len(synced) == 4 and all(
+    # by broadcast, the sync that finds the killed engine's peer gone goes by the object store (full)
+    assert len(synced) == (4 if transport == "object-store" else 3) and all(
         0.5 < r["sync_changed_fraction"] <= 1.0 for r in synced
     )  # fp32: most change
     assert any(r.get("engine_restarts", 0) > 0 for r in got)
+
+
+def test_fully_async_on_ray_engines(ray_cluster, tmp_path):
+    """--rollout-mode fully-async on 2 engine actors and a training actor, weights as deltas over
+    the weight-update group: every engine equals the trainer after each push, the next segment
+    ran while each step trained (the step never waited for a rollout), and nothing trained is
+    staler than the bound."""
+    from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+    from tests.conftest import small_run_args
+
+    args = small_run_args(tmp_path, 3) + [
+        "--rollout-num-gpus", "2", "--rollout-mode", "fully-async", "--over-sampling-batch-size", "6",
+        "--sync-transport", "broadcast", "--delta-sync", "--check-weight-update-equal",
+    ]  # fmt: skip
+    train(load_config(args))
+    steps = [r for r in read_metrics(tmp_path) if r["rollout"] >= 0]
+    assert [r["rollout"] for r in steps] == [0, 1, 2] and all(r["train_samples"] == 16 for r in steps)
+    assert all(r["staleness_max"] <= 2 and r["stale_dropped"] == 0 for r in steps)
+    assert steps[1]["staleness_max"] == 1  # step 1 trained what version 0 generated while step 0 trained
+    assert all(0.5 < r["sync_changed_fraction"] <= 1.0 for r in steps)

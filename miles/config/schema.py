@@ -895,7 +895,7 @@ class SyncSection:
         False,
         "send only what changed since each engine's version: the XOR of every tensor's bits with the last "
         "version's, zstd-compressed, checksummed; a refused delta (wrong version, bad checksum) is followed by "
-        "a full version. Ray engines over the object store (--sync-transport object-store)",
+        "a full version. Ray engines, over the object store or the weight-update group (--sync-transport)",
     )
     async_weight_sync: bool = option(
         False,

@@ -119,6 +119,11 @@ class FullyAsyncRollout:
             "generated": list(self.generated),
         }
 
+    def start_at(self, step: int) -> None:
+        """Begin at `step` with nothing admitted (a checkpoint of another mode): as if every group
+        before it had been admitted and trained."""
+        self.groups, self.segment, self.admitted, self.dropped = [], step, step * self.batch, 0
+
     def load_state_dict(self, state: dict) -> None:
         self.groups = [_Group(list(samples), index=i, version=v) for samples, i, v in state["groups"]]
         self.admitted, self.dropped = state["admitted"], state["dropped"]

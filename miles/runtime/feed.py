@@ -19,6 +19,7 @@ from typing import Any
 
 from miles.config.schema import RunConfig
 from miles.data.run_data import RunData
+from miles.devices import resolve_device, yield_to_trainer
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
 from miles.rollout.fully_async import FullyAsyncRollout, trained_staleness
@@ -51,8 +52,14 @@ class RolloutFeed:
         )  # fmt: skip
         self.draw = cfg.rollout.over_sampling_batch_size or cfg.rollout.rollout_batch_size
         self.fully_async = FullyAsyncRollout(cfg) if cfg.sync.rollout_mode == "fully-async" else None
+        # fully-async on CPU: the thread that drives the engines yields the cores to the trainer
+        yields = self.fully_async is not None and resolve_device(cfg.model.device).type == "cpu"
         self.pool = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
+            ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="miles-rollout",
+                initializer=yield_to_trainer if yields else None,
+            )
             if cfg.sync.async_weight_sync or self.fully_async is not None
             else None
         )
@@ -227,6 +234,7 @@ class RolloutFeed:
                 "the checkpoint was saved by a run without --rollout-mode fully-async: the resumed run admits "
                 "its first groups afresh"
             )
+            self.fully_async.start_at(state["rollout_id"] + 1)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -86,11 +86,14 @@ def learn(run: Run, step: Step) -> None:
     rollout_id = step.rollout_id
     if not run.learner.trains_policy(rollout_id) or not due(run.cfg.sync.update_weights_interval, rollout_id):
         return
+    t0 = time.perf_counter()
     with run.parts.phase("sync", step):  # fully-async: where the segment running now ends
         sync = run.feed.land(rollout_id + 1, run.executor.sync.push)
     step.metrics.update(
         sync_buckets=sync.buckets, sync_moved_bytes=sync.moved_bytes, sync_seconds=sync.seconds
     )
+    if run.feed.fully_async is not None:  # how long the trainer waited for the engines' segment to end
+        step.metrics["segment_wait_seconds"] = max(0.0, time.perf_counter() - t0 - sync.seconds)
     if sync.changed_fraction is not None:
         step.metrics["sync_changed_fraction"] = sync.changed_fraction
     log.debug(

@@ -66,12 +66,14 @@ class EngineActor:
         `device`: --device (cuda: the GPU Ray gave this actor). The engine works in token ids (the
         manager holds the tokenizer and writes each sample's text); `eos_token_ids`: the
         tokenizer's end of text. The tokenizer is loaded here only for requests with stop strings."""
-        from miles.devices import resolve_device
+        from miles.devices import resolve_device, yield_to_trainer
         from miles.models import registry
         from miles.rollout.engine import Engine
 
         torch.set_num_threads(threads)
         dev = self.device = resolve_device(device)
+        if dev.type == "cpu" and run_cfg is not None and run_cfg.sync.rollout_mode == "fully-async":
+            yield_to_trainer(whole_process=True)
         self.tp_rank, self.tp_size = (tp[0], tp[1]) if tp else (0, 1)
         if tp:
             import torch.distributed as dist
@@ -188,8 +190,15 @@ class EngineActor:
         self._weight_group = None
         self._weight_group = WeightGroup(addr, port, rank, world, self.device)
 
+    def receive_delta(self) -> bool:
+        """--delta-sync over the weight-update group: one delta (`apply_delta`)."""
+        import pickle
+
+        return self.apply_delta(pickle.loads(self._weight_group.receive_blob()))
+
     def receive_weights(self, version: int) -> int:
         """Take one broadcast sync from the weight-update group, bucket by bucket."""
+        self._decoder = None  # weights that did not come as a delta: the chain starts again
         with self.engine.paused():
             for named in self._weight_group.receive():
                 self.engine.update_weights(self._mine(named), version=version)
@@ -339,13 +348,18 @@ class RolloutManager:
         self._buckets, self._handles, self._source, self.version = [], blob, None, version
         self._sync_every_engine()
 
-    def update_weights_by_broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
+    def update_weights_by_broadcast(
+        self, source, version: int, bucket_bytes: int, delta: bool = False
+    ) -> SyncStats:
         """The trainer (`source`, a `RayTrainer`) broadcasts its weights to every engine
         process over the weight-update group; the group is formed on first use, and again after
-        an engine restarted (its old peer is gone)."""
+        an engine restarted (its old peer is gone). `delta` (--delta-sync): only what changed
+        (`miles.sync.delta`); if an engine refuses it, a full version follows to every engine."""
         self._source, self._bucket_bytes = source, bucket_bytes
         self._buckets, self._handles, self.version = [], None, version
         try:
+            if delta:
+                return self._broadcast_delta(source, version)
             return self._broadcast(source, version, bucket_bytes)
         except (RayActorError, RayTaskError, RuntimeError) as e:
             cause = e.cause if isinstance(e, RayTaskError) else e
@@ -358,6 +372,8 @@ class RolloutManager:
             )
             t0 = time.perf_counter()
             source.leave_weight_group()  # engines still waiting on the group get an error, not a hang
+            if delta:
+                source.reset_delta()  # the engines get full buckets: the next delta starts a new chain
             self._group_formed = False
             self._buckets = source.publish(bucket_bytes)
             self._sync_every_engine()
@@ -393,7 +409,22 @@ class RolloutManager:
         """An actor's process is gone, or (tensor-parallel) a rank failed because its peer died."""
         return isinstance(e, RayActorError) or (self.tp_size > 1 and isinstance(e.cause, RuntimeError))
 
-    def _broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
+    def _broadcast_delta(self, source, version: int) -> SyncStats:
+        t0 = time.perf_counter()
+        moved = 0
+        for _ in range(2):  # a delta; then, if any engine refused it, a full version to all
+            self._form_group(source)
+            receives = [a.receive_delta.remote() for a in self.actors]
+            sent, changed, full = source.broadcast_delta(version)
+            moved += sent * len(self.actors)
+            refused = [j for j, ok in enumerate(ray.get(receives)) if not ok]
+            if not refused:
+                return SyncStats(0, 1, full, moved, time.perf_counter() - t0, changed)
+            log.warning("delta sync v%d refused by engine(s) %s; sending a full version", version, refused)
+            source.reset_delta()
+        raise MilesError(f"delta sync: engine(s) {refused} refused a full version {version}")
+
+    def _form_group(self, source) -> None:
         if not self._group_formed:
             addr, port = source.weight_group_address()
             world = len(self.actors) + 1
@@ -401,6 +432,9 @@ class RolloutManager:
             source.join_weight_group(addr, port, world)
             ray.get(joins)
             self._group_formed = True
+
+    def _broadcast(self, source, version: int, bucket_bytes: int) -> SyncStats:
+        self._form_group(source)
         # a tensor-parallel engine's ranks run one call at a time: with --async-weight-sync a rollout
         # may still run there, so send once every engine can receive (nobody waits out a rollout)
         idle = [a.pid.remote() for a in self.actors]

@@ -173,10 +173,9 @@ class TrainerActor(GroupSender):
 
         return put_buckets(published_weights(self.actor.model, self._model_state()).items(), bucket_bytes)
 
-    def publish_delta(self, version: int):
-        """--delta-sync: what changed since the last version this rank sent, put in the object store
-        (the first, and the first after `reset_delta`, is a full version): (ref, bytes moved,
-        changed fraction, full bytes)."""
+    def _encode_delta(self, version: int):
+        """--delta-sync: (what changed since the last version this rank sent, full bytes); the
+        first, and the first after `reset_delta`, is a full version. None on ranks other than 0."""
         from miles.sync.delta import DeltaEncoder
         from miles.sync.payload import published_weights
 
@@ -186,8 +185,26 @@ class TrainerActor(GroupSender):
         if self._delta is None:
             self._delta = DeltaEncoder()
         delta = self._delta.encode(state.items(), version)
-        full = sum(t.numel() * t.element_size() for t in state.values())
+        return delta, sum(t.numel() * t.element_size() for t in state.values())
+
+    def publish_delta(self, version: int):
+        """The delta put in the object store: (ref, bytes moved, changed fraction, full bytes)."""
+        encoded = self._encode_delta(version)
+        if encoded is None:
+            return None
+        delta, full = encoded
         return ray.put(delta), delta.moved_bytes, delta.changed_fraction, full
+
+    def broadcast_delta(self, version: int):
+        """The delta sent over the weight-update group: (bytes moved, changed fraction, full bytes)."""
+        import pickle
+
+        encoded = self._encode_delta(version)
+        if encoded is None:
+            return None
+        delta, full = encoded
+        self.weight_group.send_blob(pickle.dumps(delta))
+        return delta.moved_bytes, delta.changed_fraction, full
 
     def reset_delta(self) -> None:
         """The next `publish_delta` sends a full version (an engine refused a delta)."""
@@ -441,6 +458,10 @@ class RayTrainer:
     def publish_delta(self, version: int):
         """Rank 0's delta on the last version (`miles.sync.delta`): (ref, moved, changed, full bytes)."""
         return self._from_rank0(lambda r: r.publish_delta.remote(version))
+
+    def broadcast_delta(self, version: int):
+        """Rank 0's delta over the weight-update group: (moved, changed, full bytes)."""
+        return self._from_rank0(lambda r: r.broadcast_delta.remote(version))
 
     def reset_delta(self) -> None:
         self._from_rank0(lambda r: r.reset_delta.remote())

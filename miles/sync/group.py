@@ -76,6 +76,18 @@ class WeightGroup:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def send_blob(self, blob: bytes) -> None:
+        """Rank 0: one opaque message (a pickled weight delta) to every member."""
+        try:
+            self._broadcast_bytes(blob)
+        except Exception:
+            self.close()
+            raise
+
+    def receive_blob(self) -> bytes:
+        """Ranks 1..: rank 0's `send_blob` message."""
+        return self._broadcast_bytes(None)
+
     def close(self) -> None:
         """Leave the group (its connections close; members still waiting on it get an error)."""
         self.backend = self.store = None

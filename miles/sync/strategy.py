@@ -188,6 +188,16 @@ class DeltaObjectStore(_RankZeroToEngines):
         return SyncStats(0, 1, payload, moved, time.perf_counter() - t0, changed)
 
 
+class DeltaBroadcast(_RankZeroToEngines):
+    """--delta-sync over the weight-update group: rank 0 broadcasts what changed; a refusal
+    (a restarted engine, a checksum that fails) is followed by a full version to every engine."""
+
+    name = "broadcast over the weight-update group, deltas"
+
+    def push(self, version: int) -> SyncStats:
+        return self.rollout.update_weights_by_broadcast(self.trainer, version, self.bucket_bytes, delta=True)
+
+
 class Broadcast(_RankZeroToEngines):
     """Rank 0 broadcasts to every engine over the weight-update group."""
 
@@ -238,13 +248,15 @@ def make_weight_sync(
     """The strategy object for a transport chosen by `choose_transport`."""
     sync: WeightSync
     if delta:
-        if transport != "object-store":
+        if transport not in ("object-store", "broadcast"):
             raise ConfigError(
-                f"--delta-sync sends deltas through the Ray object store, but this run syncs by {transport}; "
-                "use it with Ray engines (--rollout-num-engines) and --sync-transport object-store, "
+                f"--delta-sync sends deltas to Ray engines through the object store or the weight-update "
+                f"group, but this run syncs by {transport}; use it with Ray engines (--rollout-num-gpus 2 or more), "
                 "without --use-zero-copy-sync"
             )
-        sync = DeltaObjectStore(trainer, rollout, bucket_bytes)
+        sync = (DeltaBroadcast if transport == "broadcast" else DeltaObjectStore)(
+            trainer, rollout, bucket_bytes
+        )
     elif transport == "in-process":
         sync = InProcessBuckets(trainer, rollout, bucket_bytes)
     elif transport == "shared-memory":
