@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.errors import CheckpointError
+from miles.models.vision import VisionConfig
 
 # model_type -> (HF architecture class name, defaults that differ between families)
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -19,6 +20,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen3": {"architecture": "Qwen3ForCausalLM", "qk_norm": True, "attention_bias": False},
     "qwen3_moe": {"architecture": "Qwen3MoeForCausalLM", "qk_norm": True, "attention_bias": False},
     "qwen2_moe": {"architecture": "Qwen2MoeForCausalLM", "qk_norm": False, "attention_bias": True},
+    "qwen2_vl": {"architecture": "Qwen2VLForConditionalGeneration", "qk_norm": False, "attention_bias": True},
 }
 MOE_TYPES = {"qwen3_moe", "qwen2_moe"}
 
@@ -49,6 +51,12 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     shared_expert_intermediate_size: int = 0  # qwen2_moe: a dense expert every token uses
+    # Vision-language (model_type qwen2_vl): the vision tower, M-RoPE and the image tokens
+    vision_config: VisionConfig | None = None
+    mrope_section: list[int] = field(default_factory=list)  # rotary frequencies for (time, row, column)
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
     # Special tokens
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -70,6 +78,12 @@ class ModelConfig:
             raise CheckpointError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if isinstance(self.vision_config, dict):
+            self.vision_config = VisionConfig.from_hf_dict(self.vision_config)
+        if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
+            raise CheckpointError(
+                f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}"
             )
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise CheckpointError(
@@ -97,7 +111,11 @@ class ModelConfig:
     @property
     def out_proj_bias(self) -> bool:
         """Qwen2's attention has q/k/v biases but none on o_proj; Llama/Qwen3 use one flag."""
-        return bool(self.attention_bias) and self.model_type not in ("qwen2", "qwen2_moe")
+        return bool(self.attention_bias) and self.model_type not in ("qwen2", "qwen2_moe", "qwen2_vl")
+
+    @property
+    def is_vision_language(self) -> bool:
+        return self.vision_config is not None
 
     @property
     def moe_layers(self) -> list[int]:
@@ -118,6 +136,8 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} (architectures={hf.get('architectures')}) is not "
                 f"supported; miles runs {sorted(ARCHITECTURES)}"
             )
+        if model_type == "qwen2_vl":  # the language model's fields sit in text_config (or at the top, older)
+            hf = {**hf, **(hf.get("text_config") or {}), "model_type": "qwen2_vl"}
         required = [
             "vocab_size",
             "hidden_size",
@@ -131,11 +151,14 @@ class ModelConfig:
         rope = hf.get("rope_parameters") or {}
         scaling = hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type not in ("default", None):
+        if rope_type not in ("default", None) and not (model_type == "qwen2_vl" and rope_type == "mrope"):
             raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only default RoPE)")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in hf.items() if k in names}
         kwargs["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        if model_type == "qwen2_vl":
+            kwargs["mrope_section"] = list(rope.get("mrope_section") or scaling.get("mrope_section") or [])
+            kwargs["attention_bias"] = True
         if "num_key_value_heads" not in hf or hf["num_key_value_heads"] is None:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
         if model_type in MOE_TYPES:
@@ -148,7 +171,7 @@ class ModelConfig:
             kwargs["shared_expert_intermediate_size"] = 0
         if model_type == "qwen2_moe":
             kwargs["attention_bias"] = bool(hf.get("qkv_bias", True))
-        elif model_type == "qwen2":
+        elif model_type in ("qwen2", "qwen2_vl"):
             kwargs["attention_bias"] = True  # Qwen2 always has q/k/v biases
         elif "attention_bias" not in hf:
             kwargs["attention_bias"] = None
@@ -181,8 +204,20 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         }
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen2_vl"):
             d.pop("attention_bias")
+        if self.is_vision_language:
+            d["rope_parameters"]["mrope_section"] = list(self.mrope_section)
+            text = {
+                k: v for k, v in d.items() if k not in ("architectures", "torch_dtype", "tie_word_embeddings")
+            }
+            d.update(
+                text_config={**text, "model_type": "qwen2_vl_text"},
+                vision_config=self.vision_config.to_hf_dict(),
+                image_token_id=self.image_token_id,
+                vision_start_token_id=self.vision_start_token_id,
+                vision_end_token_id=self.vision_end_token_id,
+            )
         if self.model_type == "qwen2_moe":
             d["qkv_bias"] = d.pop("attention_bias")
         if self.is_moe:

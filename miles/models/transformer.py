@@ -31,6 +31,7 @@ from miles.models.routing import (
     tiled_linear,
     top_k,
 )
+from miles.models.vision import VisionTower, merge_image_features, mrope_positions
 
 
 @dataclass
@@ -83,9 +84,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, T, D) for integer positions (B, T)."""
-    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, sections: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (B, T, D) for integer positions (B, T); or, M-RoPE, for positions
+    (3, B, T) of (time, row, column): `sections` of the D/2 frequencies take each coordinate."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2) or (3, B, T, D/2)
+    if positions.dim() == 3:
+        parts = freqs.split(sections, dim=-1)
+        freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -359,6 +366,8 @@ class Transformer(nn.Module):
         self.lm_head = make_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.is_vision_language:  # full precision: low-precision and LoRA layers leave it alone
+            self.visual = VisionTower(cfg.vision_config)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # --recompute-activations: each decoder layer keeps only its input for backward and runs
         # again there (training forwards only; never with a KV cache)
@@ -368,7 +377,7 @@ class Transformer(nn.Module):
         """Random initialisation as in transformers (normal(0, std), norms at 1, biases at 0)."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv3d)):
                 with torch.no_grad():
                     module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
                     if getattr(module, "bias", None) is not None:
@@ -409,6 +418,10 @@ class Transformer(nn.Module):
         token_mask: torch.Tensor
         | None = None,  # (B, T) real tokens for MoE capacity (default: attention_mask)
         head: HeadRequest | None = None,  # log-probs at these positions only, logits=None
+        pixel_values: torch.Tensor | None = None,  # vision-language: (patches, numbers per patch), all images
+        image_grid_thw: torch.Tensor | None = None,  # (images, 3): each image's (t, h, w) in patches
+        rope_positions: torch.Tensor
+        | None = None,  # M-RoPE (3, B, T); default: from the images, else positions
     ) -> ModelOutput:
         """Logits for every position.
 
@@ -438,9 +451,22 @@ class Transformer(nn.Module):
             length = int(positions.max()) + 1
             mask = torch.arange(length, device=device)[None, None, :] <= positions[:, :, None]
         mask = mask[:, None]  # (B, 1, T, S)
-        rope = rope_cos_sin(positions, self.inv_freq)
-
         h = self.model.embed_tokens(input_ids)
+        cfg = self.config
+        if pixel_values is not None:
+            h = merge_image_features(
+                h, input_ids, self.visual(pixel_values, image_grid_thw), cfg.image_token_id
+            )
+            if rope_positions is None:
+                merge = cfg.vision_config.spatial_merge_size
+                rope_positions, _ = mrope_positions(
+                    input_ids, attention_mask, image_grid_thw, cfg.image_token_id, merge
+                )
+        # text alone: the three coordinates agree, and M-RoPE is the plain rotation of `positions`
+        rope = rope_cos_sin(
+            positions if rope_positions is None else rope_positions, self.inv_freq, cfg.mrope_section
+        )
+
         valid = (token_mask if token_mask is not None else attention_mask).reshape(-1).bool()
         router_logits, routed = [], []
         kv: list | None = [] if collect_kv else None  # returned, not passed in: FSDP2 rebuilds arguments

@@ -1,0 +1,141 @@
+"""The Qwen2-VL architecture: logits equal transformers' with random weights (fp32), images and
+text in a padded batch; checkpoints load from and save to Hugging Face's format; token ids and
+pixels that do not belong together are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.errors import MilesError
+
+IMAGE, START, END = 290, 291, 292
+PATCH_NUMBERS = 3 * 2 * 14 * 14
+
+
+def hf_config():
+    from transformers import Qwen2VLConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_parameters=rope, max_position_embeddings=512, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+        temporal_patch_size=2, in_channels=3,
+    )  # fmt: skip
+    return Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, vision_start_token_id=START,
+        vision_end_token_id=END, video_token_id=293,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """transformers' Qwen2-VL with random weights, and miles' model loaded from its checkpoint."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from miles.models.checkpoint import load_model
+
+    torch.manual_seed(0)
+    reference = Qwen2VLForConditionalGeneration(hf_config()).eval()
+    path = tmp_path_factory.mktemp("qwen2vl")
+    reference.save_pretrained(path)
+    return reference, load_model(path).eval(), path
+
+
+def image_prompt(pre: list[int], grid: tuple[int, int, int], post: list[int]) -> list[int]:
+    t, h, w = grid
+    return pre + [START] + [IMAGE] * (t * h * w // 4) + [END] + post
+
+
+def batch():
+    """Two left-padded rows: one with two images (4x6 and 2x2 patches), one with a 6x4 image."""
+    rows = [
+        image_prompt([5, 6], (1, 4, 6), [7, 8]) + [START, IMAGE, END, 9, 10],
+        [0, 0, 0, 0, 0, 0] + image_prompt([11], (1, 6, 4), [12, 13, 14]),
+    ]
+    pad = max(len(r) for r in rows)
+    rows = [[0] * (pad - len(r)) + r for r in rows]
+    ids = torch.tensor(rows)
+    mask = torch.tensor([[0] * (pad - len(r.rstrip())) + [1] * len(r.rstrip()) for r in map(Row, rows)])
+    grid = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 6, 4]])
+    torch.manual_seed(1)
+    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_NUMBERS)
+    return ids, mask, pixels, grid
+
+
+class Row(list):
+    """A padded row's real part: the tokens after the leading zeros."""
+
+    def rstrip(self) -> list[int]:
+        first = next(i for i, t in enumerate(self) if t != 0)
+        return self[first:]
+
+
+def test_logits_equal_transformers_for_images_and_text_in_a_padded_batch(pair):
+    reference, model, _ = pair
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        want = reference(
+            input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+            mm_token_type_ids=(ids == IMAGE).int(),
+        ).logits  # fmt: skip
+        got = model(ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid).logits
+        real = mask.bool()
+        assert (got[real] - want[real]).abs().max() < 1e-5
+        text = torch.tensor([[5, 6, 7, 8, 9]])  # no image: M-RoPE is the plain rotation
+        assert (model(text).logits - reference(input_ids=text).logits).abs().max() < 1e-5
+
+
+def test_blank_images_change_the_logits(pair):
+    """The image reaches the language model: other pixels, other logits at the text after it."""
+    _, model, _ = pair
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        seen = model(ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid).logits
+        blank = model(
+            ids, attention_mask=mask, pixel_values=torch.zeros_like(pixels), image_grid_thw=grid
+        ).logits
+    assert (seen[:, -1] - blank[:, -1]).abs().max() > 1e-3
+
+
+def test_a_checkpoint_saved_by_miles_loads_in_transformers(pair, tmp_path):
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from miles.models.checkpoint import load_model, save_model
+
+    _, model, _ = pair
+    save_model(model, tmp_path / "saved")
+    again = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "saved").eval()
+    ids, mask, pixels, grid = batch()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid).logits
+        got = again(
+            input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+            mm_token_type_ids=(ids == IMAGE).int(),
+        ).logits  # fmt: skip
+        assert (got[mask.bool()] - want[mask.bool()]).abs().max() < 1e-5
+    assert load_model(tmp_path / "saved").config.mrope_section == [2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "ids, rows, said",
+    [
+        ([5, START, IMAGE, END, 7], 24, "holds 1 image tokens .* but the images give 6"),
+        (image_prompt([5], (1, 4, 6), [7]), 20, "pixel_values has shape"),
+    ],
+    ids=["placeholder-not-expanded", "pixels-of-another-call"],
+)
+def test_ids_and_pixels_that_do_not_belong_together_are_refused(pair, ids, rows, said):
+    """The processor expands one placeholder into a token per merged patch block; ids that skip
+    it (the vision tower would never be seen) or pixels of another call are refused."""
+    _, model, _ = pair
+    with pytest.raises(MilesError, match=said):
+        model(
+            torch.tensor([ids]),
+            pixel_values=torch.randn(rows, PATCH_NUMBERS),
+            image_grid_thw=torch.tensor([[1, 4, 6]]),
+        )
