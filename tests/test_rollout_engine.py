@@ -353,7 +353,7 @@ def test_group_prefill_is_shared_and_changes_nothing():
     calls = []
     step = engine.decode_step
     original = step.prefill
-    step.prefill = lambda ids, *a: calls.append(ids.shape) or original(ids, *a)
+    step.prefill = lambda ids, *a, **k: calls.append(ids.shape) or original(ids, *a, **k)
     samples = engine.generate(reqs)
     step.prefill = original
     assert calls[0][0] == 3  # one prefill row per distinct prompt, not 12

@@ -139,3 +139,57 @@ def test_ids_and_pixels_that_do_not_belong_together_are_refused(pair, ids, rows,
             pixel_values=torch.randn(rows, PATCH_NUMBERS),
             image_grid_thw=torch.tensor([[1, 4, 6]]),
         )
+
+
+def image_requests(groups: int = 3, n: int = 3):
+    """`groups` prompts with an image each (sizes differ), n sampled requests per prompt."""
+    from miles.rollout.sampling import Request, SamplingParams
+
+    requests, grids = [], [(1, 4, 6), (1, 2, 2), (1, 6, 4), (1, 4, 4)]
+    for g in range(groups):
+        grid = grids[g % len(grids)]
+        torch.manual_seed(10 + g)
+        images = {
+            "pixel_values": torch.randn(grid[1] * grid[2], PATCH_NUMBERS),
+            "image_grid_thw": torch.tensor([grid]),
+        }
+        ids = image_prompt([5 + g], grid, [7, 8][: 1 + g % 2])
+        for k in range(n):
+            params = SamplingParams(temperature=0.8, max_new_tokens=12, ignore_eos=True, seed=100 * g + k)
+            requests.append(Request(ids, params, images=images))
+    return requests
+
+
+def test_rollout_logprobs_equal_the_trainers_on_image_prompts(pair):
+    """The engine (prefill with the images and M-RoPE, decode from each row's rotary offset)
+    reports the log-probs the trainer computes on its own path (micro-batches, length buckets)."""
+    from miles.config import make_config
+    from miles.rollout.engine import Engine
+    from miles.train.policy_trainer import PolicyTrainer
+
+    _, model, _ = pair
+    engine = Engine(model, max_batch_size=4, max_seq_len=64, seed=0)  # 9 requests, 4 slots: refills
+    assert engine.decode_path.startswith("general")
+    samples = engine.generate(image_requests())
+    assert all(s.multimodal_train_inputs is not None for s in samples)
+    for s in samples:  # an image marker, if sampled, ends the response (it is never fed back)
+        response = s.tokens[-s.response_length :]
+        assert not {IMAGE, START, END} & set(response[:-1]) and (
+            s.response_length == 12 or response[-1] in {IMAGE, START, END}
+        )
+    assert len({tuple(s.tokens) for s in samples}) > 3
+    cfg = make_config({"rollout_temperature": 0.8, "micro_batch_size": 4})
+    recomputed = PolicyTrainer(model, cfg).logprobs(samples)
+    diff = max(abs(a - float(b)) for s, r in zip(samples, recomputed) for a, b in zip(s.rollout_log_probs, r))
+    assert diff < 1e-5, diff
+
+
+def test_a_request_that_lost_its_images_is_refused(pair):
+    """Image tokens reaching the engine without their pixels (slime's blind first turn) raise."""
+    from miles.rollout.engine import Engine
+
+    _, model, _ = pair
+    request = image_requests(1, 1)[0]
+    request.images = None
+    with pytest.raises(MilesError, match="image tokens .* but no pixel_values"):
+        Engine(model, max_batch_size=2, max_seq_len=64).generate([request])

@@ -48,6 +48,9 @@ class Sample:
     draft_features: np.ndarray | None = (
         None  # EAGLE draft training: (response length, hidden) fp16, see below
     )
+    # vision-language: the processor's outputs for the prompt's images (pixel_values, image_grid_thw),
+    # from the same call that expanded its image tokens; rollout, training and checkpoints carry them
+    multimodal_train_inputs: dict[str, Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

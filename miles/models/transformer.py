@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from miles.errors import MilesError
 from miles.models.config import ModelConfig
 from miles.models.kv_cache import KVCache, Rows
 from miles.models.linear import LinearFactory, default_linear
@@ -453,10 +454,17 @@ class Transformer(nn.Module):
         mask = mask[:, None]  # (B, 1, T, S)
         h = self.model.embed_tokens(input_ids)
         cfg = self.config
-        if pixel_values is not None:
-            h = merge_image_features(
-                h, input_ids, self.visual(pixel_values, image_grid_thw), cfg.image_token_id
+        images_asked = cfg.is_vision_language and bool(
+            ((input_ids == cfg.image_token_id) & attention_mask).any()
+        )
+        if images_asked and pixel_values is None:
+            raise MilesError(
+                f"the input holds image tokens (id {cfg.image_token_id}) but no pixel_values: the images of a "
+                "prompt must travel with its tokens (Sample.multimodal_train_inputs)"
             )
+        if pixel_values is not None:
+            features = self.visual(pixel_values, image_grid_thw)
+            h = merge_image_features(h, input_ids, features, cfg.image_token_id, attention_mask)
             if rope_positions is None:
                 merge = cfg.vision_config.spatial_merge_size
                 rope_positions, _ = mrope_positions(

@@ -195,12 +195,17 @@ class VisionTower(nn.Module):
 
 
 def merge_image_features(
-    embeds: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor, image_token_id: int
+    embeds: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    image_token_id: int,
+    real: torch.Tensor,
 ) -> torch.Tensor:
-    """`embeds` with the rows of image tokens replaced by `features`, in order. A count that
-    differs (the prompt's placeholders not expanded by the processor, or pixels of another
-    call) raises: a model that silently runs without its images still trains, blind."""
-    where = input_ids == image_token_id
+    """`embeds` with the rows of image tokens (among the `real` ones, not padding) replaced by
+    `features`, in order. A count that differs (the prompt's placeholders not expanded by the
+    processor, or pixels of another call) raises: a model that silently runs without its images
+    still trains, blind."""
+    where = (input_ids == image_token_id) & real
     if int(where.sum()) != features.shape[0]:
         raise MilesError(
             f"the prompt holds {int(where.sum())} image tokens (id {image_token_id}) but the images give "
@@ -254,3 +259,37 @@ def mrope_positions(
         positions[:, b, real] = row.to(positions.device)
         deltas.append((int(row.max()) + 1 if row.numel() else 0) - len(ids))
     return positions, torch.tensor(deltas, device=input_ids.device)
+
+
+@dataclass
+class PromptVision:
+    """What a prefill of image prompts needs beside the ids: every row's images in order, the
+    M-RoPE positions, and each row's offset for the positions it generates after."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    rope_positions: torch.Tensor  # (3, U, T)
+    deltas: torch.Tensor  # (U,)
+
+
+def batch_images(images) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """pixel_values and image_grid_thw of rows' images (dicts or None), concatenated in row order."""
+    present = [x for x in images if x is not None]
+    if not present:
+        return None, None
+    return (
+        torch.cat([torch.as_tensor(x["pixel_values"]) for x in present]),
+        torch.cat([torch.as_tensor(x["image_grid_thw"]).reshape(-1, 3) for x in present]),
+    )
+
+
+def prompt_vision(ids: torch.Tensor, lengths: torch.Tensor, images, config) -> PromptVision | None:
+    """The vision inputs of right-padded prompts `ids` (U, T) of `lengths`; None without images."""
+    pixel_values, grid = batch_images(images)
+    if pixel_values is None:
+        return None
+    mask = torch.arange(ids.shape[1])[None] < lengths[:, None]
+    rope, deltas = mrope_positions(
+        ids, mask, grid, config.image_token_id, config.vision_config.spatial_merge_size
+    )
+    return PromptVision(pixel_values, grid, rope, deltas)

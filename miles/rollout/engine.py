@@ -30,6 +30,7 @@ from miles.data.sample import Sample, Status
 from miles.devices import weight_memory
 from miles.errors import MilesError
 from miles.models.transformer import Transformer
+from miles.models.vision import prompt_vision
 from miles.rollout.kv_budget import DEFAULT_FRACTION, plan_budget
 from miles.rollout.sampling import Request, Sampler
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, verify_probs
@@ -59,6 +60,7 @@ class _Running:
     versions: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
+    rope_offset: int = 0  # vision-language: rotary position - cache position after the prompt's images
     features: list[torch.Tensor] = field(
         default_factory=list
     )  # EAGLE online training: one per response token
@@ -157,6 +159,14 @@ class Engine:
         self.restarts = 0  # an in-process engine is never restarted (the Ray manager's count)
         self.is_moe = model.config.is_moe
         self._eos = set(model.config.eos_token_ids) | set(eos_token_ids)
+        # a vision-language policy that samples an image marker ends its response there: fed back,
+        # the marker would stand for pixels no processor made (training never feeds a last token)
+        cfg = model.config
+        self._markers = {
+            t
+            for t in (cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
+            if t is not None
+        }
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self._eos.add(tokenizer.eos_token_id)
         self._uids = itertools.count()
@@ -420,7 +430,11 @@ class Engine:
             self._reserved += need
             req = self._waiting.popleft()
             seed = req.params.seed if req.params.seed is not None else hash((self.seed, req.uid)) % (2**63)
-            stop = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self._eos)
+            stop = (
+                set(req.params.stop_token_ids)
+                | (set() if req.params.ignore_eos else self._eos)
+                | self._markers
+            )
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
             self._running[state.slot] = state
             self.sampler.reset(state.slot)
@@ -445,20 +459,28 @@ class Engine:
             tuple(s.request.prompt_ids + s.response[:-1]) if s.response else tuple(s.request.prompt_ids)
             for s in states
         ]
-        firsts: dict[tuple[int, ...], int] = {}  # sequence -> the first state holding it
-        for b, seq in enumerate(seqs):
-            firsts.setdefault(seq, b)
-        unique = {seq: u for u, seq in enumerate(firsts)}  # sequence -> its prefill row
-        owners = [states[firsts[seq]] for seq in unique]  # the state whose slot computes each sequence
-        T = max(len(x) for x in unique)
+        # the same ids with other images are another sequence (a group's samples share one dict)
+        keys = [(seq, id(s.request.images)) for seq, s in zip(seqs, states)]
+        firsts: dict[tuple, int] = {}  # sequence -> the first state holding it
+        for b, key in enumerate(keys):
+            firsts.setdefault(key, b)
+        unique = {key: u for u, key in enumerate(firsts)}  # sequence -> its prefill row
+        owners = [states[firsts[key]] for key in unique]  # the state whose slot computes each sequence
+        T = max(len(seq) for seq, _ in unique)
         ids = torch.zeros(len(unique), T, dtype=torch.long)
-        for u, x in enumerate(unique):
+        for u, (x, _) in enumerate(unique):
             ids[u, : len(x)] = torch.tensor(x)
         rows = torch.tensor([s.slot for s in owners])
-        lengths = torch.tensor([len(x) for x in unique])
+        lengths = torch.tensor([len(x) for x, _ in unique])
         dev = self.device
-        out = self.decode_step.prefill(ids, lengths, rows, self.cache)
-        index = [unique[seq] for seq in seqs]  # each state's prefill row
+        vision = None
+        if self.model.config.is_vision_language:
+            vision = prompt_vision(ids, lengths, [s.request.images for s in owners], self.model.config)
+        out = self.decode_step.prefill(ids, lengths, rows, self.cache, vision=vision)
+        index = [unique[key] for key in keys]  # each state's prefill row
+        if vision is not None:
+            for b, s in enumerate(states):
+                s.rope_offset = int(vision.deltas[index[b]])
         copied = [b for b in range(len(states)) if states[b] is not owners[index[b]]]
         if copied:  # one gather per buffer; positions past a copy's own length are masked later
             dst = torch.tensor([states[b].slot for b in copied], device=dev)
@@ -568,6 +590,9 @@ class Engine:
         slots = None  # every slot of [0, len(states)) busy (the common case): rows are slots
         if states[-1].slot + 1 != len(states):
             slots = torch.tensor([s.slot for s in states])
+        if any(s.rope_offset for s in states):  # rows after images rotate from their M-RoPE position
+            offsets = torch.tensor([s.rope_offset for s in states])
+            return self.decode_step.decode(ids, positions, self.cache, slots, rope_offsets=offsets)
         return self.decode_step.decode(ids, positions, self.cache, slots)
 
     def _emit(
@@ -627,6 +652,8 @@ class Engine:
                 self.cache.release(s.slot)  # its pages go back (a short one's stay, for the next request)
         req = s.request
         sample = req.sample if req.sample is not None else Sample()
+        if req.images is not None:  # the pixels the prompt was generated from go on to training
+            sample.multimodal_train_inputs = req.images
         sample.tokens = list(req.prompt_ids) + s.response
         sample.response_length = len(s.response)
         sample.rollout_log_probs = s.logprobs

@@ -177,5 +177,5 @@ def _continuations(cfg: RunConfig, group: _Group, rollout_id: int, g: int) -> li
             max_new_tokens=rollout_cfg.rollout_max_response_len - s.response_length,
             seed=continuation_seed(rollout_cfg.rollout_seed, rollout_id, g, k),
         )  # fmt: skip
-        requests.append((k, Request(list(s.tokens), params)))
+        requests.append((k, Request(list(s.tokens), params, images=s.multimodal_train_inputs)))
     return requests

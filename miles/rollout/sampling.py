@@ -173,5 +173,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     sample: Sample | None = None  # filled in place when given (keeps prompt, label, metadata)
+    # vision-language: the processor's pixel_values and image_grid_thw for the prompt's image tokens
+    images: dict[str, torch.Tensor] | None = None
     uid: int = -1
     arrival: int = -1  # set by the engine: how many requests came before this one

@@ -17,6 +17,7 @@ import torch
 from miles.algo.logprobs import entropy, head_logprobs, token_logprobs
 from miles.data.sample import Sample
 from miles.models.transformer import HeadRequest, ModelOutput, Transformer
+from miles.models.vision import batch_images
 from miles.train.length_buckets import bucketed_forward, overhead_tokens
 from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward
 
@@ -32,6 +33,7 @@ class PackedBatch:
     forced_experts: torch.Tensor | None  # (B, T-1, layers, k) recorded routing, -1 = none
     shared: SharedPrompts | None = None  # set: each shared prompt is computed once (see shared_prompt)
     response_rows: torch.Tensor | None = None  # (N,) flat positions b * (T-1) + t of every response token
+    images: list | None = None  # vision-language: each row's multimodal_train_inputs (None: no image)
 
     def to(self, device) -> PackedBatch:
         return PackedBatch(
@@ -39,6 +41,7 @@ class PackedBatch:
                                                               self.response_mask, self.forced_experts)),
             None if self.shared is None else self.shared.to(device),
             None if self.response_rows is None else self.response_rows.to(device),
+            self.images,
         )  # fmt: skip
 
 
@@ -64,11 +67,14 @@ def pack_samples(
             raise ValueError(
                 f"routing replay (--use-r3) needs rollout_routed_experts; sample {missing[0]} has none"
             )
-    shared = plan_shared_prompts(samples, replay_routing) if share_prompts else None
+    images = [s.multimodal_train_inputs for s in samples]
+    images = images if any(x is not None for x in images) else None
+    # image prompts run whole: a shared prompt's keys and values would need its pixels per group
+    shared = plan_shared_prompts(samples, replay_routing) if share_prompts and images is None else None
     forced = None
     if replay_routing and shared is None:  # the shared-prompt plan carries its own routing
         forced = recorded_routing(samples, T - 1)
-    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared, torch.cat(rows))
+    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared, torch.cat(rows), images)
 
 
 def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
@@ -99,9 +105,14 @@ def forward_packed(
         if isinstance(rows, torch.Tensor):
             rows = rows.to(device)
         forced = None if batch.forced_experts is None else batch.forced_experts[rows, :length]
+        pixel_values, grid = None, None
+        if batch.images is not None:  # these rows' images, in row order
+            picked = batch.images if isinstance(rows, slice) else [batch.images[int(r)] for r in rows]
+            pixel_values, grid = batch_images(picked)
+            pixel_values = None if pixel_values is None else pixel_values.to(device)
         return model(
             batch.input_ids[rows, :length], attention_mask=batch.attention_mask[rows, :length],
-            forced_experts=forced, head=part_head,
+            forced_experts=forced, head=part_head, pixel_values=pixel_values, image_grid_thw=grid,
         )  # fmt: skip
 
     width = batch.input_ids.shape[1]

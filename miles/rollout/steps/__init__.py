@@ -22,6 +22,7 @@ import torch
 from miles.errors import MilesError
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, Transformer
+from miles.models.vision import PromptVision
 
 DECODE_STEPS = ("auto", "fused", "general")
 
@@ -38,11 +39,13 @@ class DecodeStep(Protocol):
         slots: torch.Tensor,
         cache: KVCache,
         starts: torch.Tensor | None = None,
+        vision: PromptVision | None = None,
     ) -> ModelOutput:
         """Sequences ids (U, T), right-padded, of `lengths` tokens from position `starts` (U,)
         (default 0: prompts), into cache `slots` (U,) -> logits (U, 1, V) of each one's last
         token; routing (U, T, layers, K). From a later position, a sequence extends what its slot
-        holds (a draft model catching up, or taking one token)."""
+        holds (a draft model catching up, or taking one token). `vision`: image prompts' pixels
+        and M-RoPE positions (vision-language models)."""
         ...
 
     def decode(
@@ -51,11 +54,13 @@ class DecodeStep(Protocol):
         positions: torch.Tensor,
         cache: KVCache,
         slots: torch.Tensor | None = None,
+        rope_offsets: torch.Tensor | None = None,
     ) -> ModelOutput:
         """ids, positions (B, T): T tokens for each of cache rows `slots` (B,) (default 0..B-1)
         -> logits (B, T, V) and routing (B, T, layers, K). T is 1 for a decode step, k + 1 for
         speculative verification. `slots` lets the tail of a rollout (a few requests left in
-        high slots) cost what its rows cost."""
+        high slots) cost what its rows cost. `rope_offsets` (B,): rotary positions = positions +
+        offset (a vision-language row after its images)."""
         ...
 
     def intact(self) -> bool:

@@ -146,6 +146,8 @@ def _projections(model: Transformer):
 
 def _model_unsupported(model: Transformer) -> str | None:
     """What in the model the fused step does not compute (None: nothing)."""
+    if model.config.is_vision_language:
+        return "it is a vision-language model (the fused step is text-only)"
     for name, module in model.named_modules():
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{name or 'the model'} has forward hooks (tensor parallelism, instrumentation)"
@@ -322,6 +324,7 @@ class FusedStep:
         positions: torch.Tensor,
         cache: KVCache,
         slots: torch.Tensor | None = None,
+        rope_offsets: torch.Tensor | None = None,
     ) -> ModelOutput:
         """ids, positions (B, T) long over cache rows `slots` (default 0..B-1) -> logits (B, T, V)
         and the routing record (B, T, MoE layers, K), as `Transformer.forward` returns them. T > 1
@@ -366,6 +369,7 @@ class FusedStep:
         slots: torch.Tensor,
         cache: KVCache,
         starts: torch.Tensor | None = None,
+        vision=None,
     ):
         """Sequences ids (U, T), right-padded to T, of `lengths` tokens from position `starts`
         (default 0), into cache `slots` (U,) -> logits (U, 1, V) of each one's last token and
