@@ -16,7 +16,7 @@ LINT_DIRS  := miles tests $(wildcard benchmarks)
 # share of the threads.
 TEST_WORKERS ?= 2
 
-.PHONY: setup run smollm2 test lint format clean
+.PHONY: setup run smollm2 vlm test lint format clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,15 @@ smollm2: $(STAMP)
 	$(VENV)/bin/miles train --config examples/smollm2_grpo.yaml
 	$(VENV)/bin/miles plot runs/smollm2_grpo
 	$(VENV)/bin/miles doctor runs/smollm2_grpo
+
+# docs/vlm.md: the built-in vision-language model learning to count squares, against its text-only
+# baseline (the same run with every image blanked)
+vlm: $(STAMP)
+	$(VENV)/bin/miles train --config examples/vlm_shapes.yaml
+	$(VENV)/bin/miles train --config examples/vlm_shapes.yaml --debug-blank-images --output-dir runs/vlm_shapes_blank
+	$(VENV)/bin/miles plot runs/vlm_shapes --compare runs/vlm_shapes_blank
+	$(VENV)/bin/miles doctor runs/vlm_shapes
+	$(VENV)/bin/miles doctor runs/vlm_shapes_blank || true
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINT_DIRS)

@@ -376,7 +376,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from miles.diagnostics.plot import plot_run
 
-    for path in plot_run(args.run_dir):
+    for path in plot_run(args.run_dir, args.compare):
         print(path)
     return 0
 
@@ -557,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write PNG curves (reward, accuracy, KL, logprob mismatch, lengths) of RUN_DIR/metrics.jsonl into RUN_DIR/plots.",
     )
     plot.add_argument("run_dir", help="a run directory holding metrics.jsonl")
+    plot.add_argument("--compare", help="another run directory, drawn dashed on the same axes (a baseline)")
     plot.set_defaults(func=cmd_plot)
     doctor = sub.add_parser(
         "doctor",

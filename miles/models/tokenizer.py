@@ -26,19 +26,25 @@ BYTE_EOS_ID = 256 + SPECIAL_TOKENS.index("<|im_end|>")
 BYTE_PAD_ID = 256 + SPECIAL_TOKENS.index("<|pad|>")
 
 
-def byte_tokenizer():
-    """A 260-token byte-level tokenizer (256 bytes + 4 specials) with a ChatML template."""
+VISION_SPECIAL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]  # Qwen2-VL's names
+BYTE_VISION_IDS = {tok: BYTE_VOCAB_SIZE + i for i, tok in enumerate(VISION_SPECIAL_TOKENS)}
+
+
+def byte_tokenizer(vision: bool = False):
+    """A 260-token byte-level tokenizer (256 bytes + 4 specials) with a ChatML template; `vision`:
+    with the three image markers after them (263 tokens: the built-in vision-language model's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
-    for tok in SPECIAL_TOKENS:
+    specials = SPECIAL_TOKENS + (VISION_SPECIAL_TOKENS if vision else [])
+    for tok in specials:
         vocab[tok] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -36,7 +36,7 @@ class VisionConfig:
     embed_dim: int = 32
     hidden_size: int = 64  # the language model's width: the merger's output
     num_heads: int = 4
-    mlp_ratio: float = 2.0
+    mlp_ratio: int = 2
     in_channels: int = 3
     patch_size: int = 14
     spatial_merge_size: int = 2

@@ -52,6 +52,9 @@ class FullyAsyncRollout:
         """Admit what the bound allows, then generate until the next batch is ready; every
         response still generating is cut there, between two decoding steps."""
         cfg, rollout_cfg, s = self.cfg, self.cfg.rollout, self.segment
+        self.segment = s + 1
+        if self.ready(s):  # the batch waits already: the engines rest, and nothing new is admitted
+            return
         version, n = engine.weight_version, rollout_cfg.n_samples_per_prompt
         bound_room = (s + self.bound) * self.batch + self.dropped - self.admitted
         unfinished = sum(not g.complete for g in self.groups)
@@ -68,10 +71,8 @@ class FullyAsyncRollout:
             )
             self.groups.append(_Group([None] * n, requests, index=self.admitted, version=version))
             self.admitted += 1
-        if not self.ready(s):
-            for group in advance(engine, self.groups, cfg, s, lambda _: self.ready(s)):
-                self.generated += [x.response_length for x in group.samples]
-        self.segment = s + 1
+        for group in advance(engine, self.groups, cfg, s, lambda _: self.ready(s)):
+            self.generated += [x.response_length for x in group.samples]
 
     def ready(self, step: int) -> bool:
         """Whether step `step`'s batch can be taken: B finished groups, and every group due by then finished."""

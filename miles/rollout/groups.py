@@ -37,11 +37,16 @@ def group_requests(
     rollout_cfg = cfg.rollout
     chat = cfg.data.apply_chat_template
     tokenizer = engine.tokenizer
-    ids = (
-        encode_prompt(tokenizer, item.prompt, chat)
-        if mode is None
-        else mode.prompt_ids(tokenizer, item.prompt, chat)
-    )
+    images = None
+    if item.images:  # one processor call: the ids with the images' tokens, and their pixels
+        from miles.data.images import blank_images, processor_for
+
+        pictures = blank_images(item.images) if cfg.debug.debug_blank_images else item.images
+        ids, images = processor_for(cfg.model.model)(item.prompt, pictures, chat)
+    elif mode is None:
+        ids = encode_prompt(tokenizer, item.prompt, chat)
+    else:
+        ids = mode.prompt_ids(tokenizer, item.prompt, chat)
     requests = []
     for k in range(n):
         sample = Sample(prompt=item.prompt, label=item.label, metadata=dict(item.metadata))
@@ -49,7 +54,8 @@ def group_requests(
             temperature=temperature, top_p=rollout_cfg.rollout_top_p, top_k=rollout_cfg.rollout_top_k,
             max_new_tokens=rollout_cfg.rollout_max_response_len, seed=hash((seed_base, rollout_id, g, k)) % (2**63),
         )  # fmt: skip
-        requests.append(Request(ids, params, sample=sample))
+        sample.multimodal_train_inputs = images
+        requests.append(Request(ids, params, sample=sample, images=images))
     return requests
 
 

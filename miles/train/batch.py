@@ -163,3 +163,37 @@ def scatter(values: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> tor
     """`values` (N,) placed at flat `rows` of a zero tensor shaped `like` (B, T-1)."""
     flat = values.new_zeros(like.numel()).index_add(0, rows, values)  # index_add: a cheap backward
     return flat.view(like.shape)
+
+
+def blank_images(images: dict) -> dict:
+    """The same images with every patch replaced by its image's mean: same size and average
+    colour, no content (what the blind check compares a prompt's log-probs against)."""
+    pixels, grid = (
+        torch.as_tensor(images["pixel_values"]),
+        torch.as_tensor(images["image_grid_thw"]).reshape(-1, 3),
+    )
+    parts = pixels.split(grid.prod(-1).tolist())
+    return {
+        "pixel_values": torch.cat([p.mean(0, keepdim=True).expand_as(p) for p in parts]),
+        "image_grid_thw": grid,
+    }
+
+
+@torch.no_grad()
+def vision_sensitivity(
+    model: Transformer, samples: Sequence[Sample], temperature: float, limit: int = 4
+) -> float | None:
+    """Mean |log-prob change| of the response tokens of up to `limit` image samples when their
+    images are blanked (`blank_images`): about 0 for a model that does not look (the images never
+    reached it, or it learnt to ignore them). None without image samples."""
+    picked = [s for s in samples if s.multimodal_train_inputs is not None][:limit]
+    if not picked:
+        return None
+    blanked = [
+        Sample(tokens=s.tokens, response_length=s.response_length, loss_mask=s.loss_mask,
+               multimodal_train_inputs=blank_images(s.multimodal_train_inputs))
+        for s in picked
+    ]  # fmt: skip
+    seen, blind = (forward_logprobs(model, pack_samples(x), temperature) for x in (picked, blanked))
+    mask = pack_samples(picked).response_mask.to(seen.logprobs.device)
+    return float(((seen.logprobs - blind.logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))

@@ -34,7 +34,13 @@ from miles.quant.convert import fp8_metrics
 from miles.sync.payload import published_weights
 from miles.sync.transports import share
 from miles.train.auto_batch import AutoBatch
-from miles.train.batch import PackedBatch, forward_logprobs, pack_samples, recorded_routing
+from miles.train.batch import (
+    PackedBatch,
+    forward_logprobs,
+    pack_samples,
+    recorded_routing,
+    vision_sensitivity,
+)
 from miles.train.host_optimizer import HostAdamW
 from miles.train.micro_batches import fixed_micro_batches, split_to_count, token_micro_batches
 from miles.train.moe_stats import LoadAccumulator, load_balancing_loss, router_entropy_sum, routing_counts
@@ -473,6 +479,10 @@ class PolicyTrainer:
             out["auto_batch_tokens"] = self.auto.tokens
             out["auto_batch_peak_gb"] = highest / 1e9
         out.update(fp8_metrics(self.model))
+        if self.policy.config.is_vision_language:  # the doctor's blind check reads it
+            change = vision_sensitivity(self.model, samples, cfg.rollout.logprob_temperature)
+            if change is not None:
+                out["vision_logprob_change"] = change
         return out
 
     def _micro_batch(
