@@ -162,3 +162,34 @@ def forking_agent(base_url: str, sample: Sample):
     rewritten = [{"role": "user", "content": "something else"}]
     client.chat.completions.create(model="policy", messages=rewritten, max_tokens=4)
     return 0.5
+
+
+def look_twice(sample: Sample, client, params) -> Sample:
+    """Two turns with an image each: the prompt's, then an observation that shows another image
+    (kept: the second request carries both images' pixels)."""
+    from miles.data.images import join_images, shapes_image
+
+    first = client.generate(sample.tokens, params, images=sample.multimodal_train_inputs)
+    more, seen = client.process("<image>And here?", [shapes_image(2, __import__("random").Random(7))])
+    images = join_images(sample.multimodal_train_inputs, seen)
+    second = client.generate(first.tokens + more, params, images=images)
+    prompt = len(sample.tokens)
+    sample.tokens, sample.response_length = second.tokens, len(second.tokens) - prompt
+    sample.loss_mask = [1] * first.response_length + [0] * len(more) + [1] * second.response_length
+    sample.rollout_log_probs = first.rollout_log_probs + [0.0] * len(more) + second.rollout_log_probs
+    sample.multimodal_train_inputs = images
+    sample.response = client.tokenizer.decode(second.response_tokens, skip_special_tokens=True)
+    return sample
+
+
+def forget_images(sample: Sample, client, params) -> Sample:
+    """slime's bug: the second turn re-renders the question as text, without its image: the
+    model answers it blind (no error: no image token is left to check)."""
+    first = client.generate(sample.tokens, params, images=sample.multimodal_train_inputs)
+    text = client.tokenizer("How many squares? Again:", add_special_tokens=False).input_ids
+    second = client.generate(text, params)
+    sample.tokens = list(sample.tokens) + first.response_tokens + second.response_tokens
+    sample.response_length = first.response_length + second.response_length
+    sample.loss_mask = [1] * sample.response_length
+    sample.rollout_log_probs = first.rollout_log_probs + second.rollout_log_probs
+    return sample

@@ -318,3 +318,25 @@ def test_a_fully_async_vlm_run_resumes_exactly(tmp_path):
         for k in ref:
             if "seconds" not in k and "per_s" not in k:
                 assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (ref["rollout"], k)
+
+
+@pytest.mark.parametrize("fixture, dropped", [("look_twice", False), ("forget_images", True)])
+def test_an_image_observation_is_kept_across_turns(tmp_path, monkeypatch, fixture, dropped):
+    """A two-turn custom generate function whose second turn shows another image: the sample
+    carries both images and the engine's log-probs equal the trainer's over the whole
+    conversation. One that re-sends its second turn as text drops the image: the doctor names it."""
+    from miles.config import load_config
+    from miles.doctor.checks import images_dropped
+    from miles.doctor.run import load_run
+    from miles.run import train
+    from tests.conftest import record_trained
+
+    trained = record_trained(monkeypatch)
+    flags = ["--custom-generate-function-path", f"tests.agent_fixtures:{fixture}"]
+    train(load_config([*VLM_RUN, *flags, "--output-dir", str(tmp_path)]))
+    run = load_run(tmp_path)
+    assert (images_dropped(run, None) is not None) == dropped
+    if not dropped:
+        samples = [s for _, group in trained for s in group]
+        assert all(len(s.multimodal_train_inputs["image_grid_thw"]) == 2 for s in samples)
+        assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in run.steps)

@@ -18,20 +18,33 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from miles.data.sample import Sample
+from miles.errors import MilesError
 from miles.rollout.sampling import Request, SamplingParams
 
 log = logging.getLogger("miles")
 
 
 class EngineClient:
-    """What one conversation's code uses: `generate(ids, params)` -> the engine's `Sample`
-    (prompt + response tokens, response log-probs, routing, versions), and the tokenizer."""
+    """What one conversation's code uses: `generate(ids, params, images)` -> the engine's `Sample`
+    (prompt + response tokens, response log-probs, routing, versions), the tokenizer, and (a
+    vision-language run) `process(text, images)` -> (ids, images) for an image in a turn."""
 
-    def __init__(self, lockstep: Lockstep, index: int, tokenizer) -> None:
-        self._lockstep, self.index, self.tokenizer = lockstep, index, tokenizer
+    def __init__(self, lockstep: Lockstep, index: int, tokenizer, processor=None) -> None:
+        self._lockstep, self.index, self.tokenizer, self._processor = lockstep, index, tokenizer, processor
 
-    def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None) -> Sample:
-        return self._lockstep.submit(self.index, Request(list(input_ids), params or SamplingParams()))
+    def generate(
+        self, input_ids: Sequence[int], params: SamplingParams | None = None, images: dict | None = None
+    ) -> Sample:
+        """`images`: the pixels of every image token in `input_ids` (the whole conversation's,
+        `miles.data.images.join_images`), as `process` returned them."""
+        request = Request(list(input_ids), params or SamplingParams(), images=images)
+        return self._lockstep.submit(self.index, request)
+
+    def process(self, text: str, images: list) -> tuple[list[int], dict]:
+        """Token ids of `text` with each <image> expanded, and the pixels of `images`: one call."""
+        if self._processor is None:
+            raise MilesError("client.process: this run's model is not a vision-language model")
+        return self._processor(text, images, chat=False)
 
 
 class Lockstep:
@@ -45,9 +58,13 @@ class Lockstep:
         ] = []  # (conversation, arrival, request, answer box)
         self._arrivals = 0
         self._live = 0
+        self.images_seen: list[list[int]] | None = None
 
     def submit(self, index: int, request: Request) -> Sample:
         box: list = []
+        if self.images_seen is not None:
+            grid = None if request.images is None else request.images["image_grid_thw"]
+            self.images_seen[index].append(0 if grid is None else len(grid))
         with self._cond:  # one conversation may wait with several requests at once (an agent that forks)
             self._waiting.append((index, self._arrivals, request, box))
             self._arrivals += 1
@@ -58,14 +75,16 @@ class Lockstep:
             raise box[0]
         return box[0]
 
-    def run(self, jobs: Sequence[Callable[[EngineClient], Any]], tokenizer) -> list[Any]:
+    def run(self, jobs: Sequence[Callable[[EngineClient], Any]], tokenizer, processor=None) -> list[Any]:
         """Each job's return value, or the exception it raised, in order."""
         results: list[Any] = [None] * len(jobs)
         self._live = len(jobs)
+        # a vision-language run: each conversation's image count, request by request
+        self.images_seen = [[] for _ in jobs] if processor is not None else None
 
         def one(i: int) -> None:
             try:
-                results[i] = jobs[i](EngineClient(self, i, tokenizer))
+                results[i] = jobs[i](EngineClient(self, i, tokenizer, processor))
             except BaseException as e:  # noqa: BLE001 - reported by the caller, per sample
                 e.__miles_traceback__ = traceback.format_exc()  # type: ignore[attr-defined]
                 results[i] = e

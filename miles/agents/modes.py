@@ -80,19 +80,30 @@ class CustomGenerate(SingleTurn):
     def prompt_overhead(self, tokenizer) -> int | None:
         return None  # the function writes its own prompts
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, processor=None) -> None:
+        """`processor`: a vision-language run's (`client.process` for images in later turns)."""
         self.fn = load_function(path, self.FLAG)
         self.reported: list = []
+        self.processor = processor
 
     def generate_each(self, rollout, requests):
         def job(request: Request, client: EngineClient) -> Sample:
             sample = copy.deepcopy(request.sample) if request.sample is not None else Sample()
             sample.tokens, sample.response_length = list(request.prompt_ids), 0
+            sample.multimodal_train_inputs = request.images  # the prompt's own images
             out = self.fn(sample, client, request.params)
             return checked(out, self.FLAG)
 
-        results = Lockstep(rollout).run([functools.partial(job, r) for r in requests], rollout.tokenizer)
-        return [[self._result(r, out)] for r, out in zip(requests, results)]
+        lockstep = Lockstep(rollout)
+        jobs = [functools.partial(job, r) for r in requests]
+        results = lockstep.run(jobs, rollout.tokenizer, self.processor)
+        out = [[self._result(r, res)] for r, res in zip(requests, results)]
+        for (sample,), seen in zip(out, lockstep.images_seen or []):
+            if seen:  # a turn sent fewer images than an earlier one: the model no longer saw them
+                sample.metadata["image_turns_dropped"] = sum(
+                    b < max(seen[:i]) for i, b in enumerate(seen) if i
+                )
+        return out
 
     def _result(self, request: Request, out: Any) -> Sample:
         if isinstance(out, ContractError):
@@ -188,6 +199,12 @@ class BlackBoxAgent(SingleTurn):
             self.gateway.close()
 
 
+def agent_vision(cfg: RunConfig) -> bool:
+    from miles.models import registry
+
+    return registry.config_for(cfg.model.model).is_vision_language
+
+
 def rollout_mode(cfg: RunConfig) -> RolloutMode:
     """The run's rollout mode, its tools and functions imported now (a bad path fails before any work)."""
     agent = cfg.agent
@@ -202,7 +219,12 @@ def rollout_mode(cfg: RunConfig) -> RolloutMode:
         box = ToolBox(load_tools(agent.tool_path), agent.tool_timeout, limits, agent.tool_num_workers)
         return ToolCalling(box, parser, stop, agent.max_turns, agent.max_tool_calls, agent.max_turn_tokens)
     if agent.custom_generate_function_path:
-        return CustomGenerate(agent.custom_generate_function_path)
+        processor = None
+        if agent_vision(cfg):
+            from miles.data.images import processor_for
+
+            processor = processor_for(cfg.model.model)
+        return CustomGenerate(agent.custom_generate_function_path, processor)
     if agent.agent_path:
         return BlackBoxAgent(agent.agent_path, cfg.rollout.rollout_max_response_len)
     return SingleTurn()

@@ -71,6 +71,17 @@ class VisionProcessor:
         return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
 
 
+def join_images(*parts: dict | None) -> dict | None:
+    """One conversation's pixel inputs from its turns' (in the order their image tokens come)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    return {
+        "pixel_values": torch.cat([p["pixel_values"] for p in present]),
+        "image_grid_thw": torch.cat([p["image_grid_thw"] for p in present]),
+    }
+
+
 def load_image(x):
     """A PIL image from an image, a path, or encoded bytes."""
     from PIL import Image

@@ -102,8 +102,10 @@ def agent_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     tool calls and errors by kind, tool seconds, observation tokens, trajectories cut (any reason),
     cut at --max-turns and cut by the response budget or the context."""
     multi = [s for s in samples if "turns" in s.metadata]
+    dropped = [s.metadata["image_turns_dropped"] for s in samples if "image_turns_dropped" in s.metadata]
+    images = {"image_turns_dropped_frac": sum(d > 0 for d in dropped) / len(dropped)} if dropped else {}
     if not multi:
-        return {}
+        return images
     n = len(multi)
     errors: Counter = Counter()
     for s in multi:
@@ -122,4 +124,4 @@ def agent_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     }
     for kind, count in errors.items():
         out[f"tool_errors_{kind}"] = float(count)
-    return out
+    return {**out, **images}

@@ -939,6 +939,31 @@ def vision_blind(run: RunRecord, compare: RunRecord | None):
     )
 
 
+@check("images_dropped", "images missing after the first turn of a conversation")
+def images_dropped(run: RunRecord, compare: RunRecord | None):
+    share = run.median("image_turns_dropped_frac")
+    if not share:
+        return None
+    evidence = [
+        Evidence(
+            "image_turns_dropped_frac", share, threshold=0.0,
+            note="median over steps: conversations where a later turn's request carried fewer images than an earlier one",
+        )
+    ]  # fmt: skip
+    remedies = [
+        Remedy(
+            [],
+            "send every turn the whole conversation's ids and images: client.generate(ids, params, "
+            "images=join_images(prompt_images, turn_images)) (miles.data.images.join_images)",
+        )
+    ]
+    return (
+        "later turns are generated without the images of earlier ones: the model answers them blind",
+        evidence,
+        remedies,
+    )
+
+
 @check("memory_growth", "per-step peak memory keeps growing")
 def memory_growth(run: RunRecord, compare: RunRecord | None):
     keys = sorted({k for r in run.steps for k in r if k.startswith("mem_") and k.endswith("_gb")})
