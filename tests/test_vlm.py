@@ -340,3 +340,30 @@ def test_an_image_observation_is_kept_across_turns(tmp_path, monkeypatch, fixtur
         samples = [s for _, group in trained for s in group]
         assert all(len(s.multimodal_train_inputs["image_grid_thw"]) == 2 for s in samples)
         assert all(r["train_rollout_logprob_abs_diff"] < 1e-5 for r in run.steps)
+
+
+def test_images_reach_sglang_servers_as_image_data(tmp_path):
+    """--rollout-backend sglang on a `miles serve` process of the VLM: each request sends the
+    images as SGLang's image_data beside the expanded ids, the server makes the pixels with the
+    model's processor, and the run equals the in-process one."""
+    from miles.config import load_config
+    from miles.diagnostics.metrics_file import read_metrics
+    from miles.run import train
+    from tests.conftest import comparable, start_server
+
+    proc, url = start_server(model="tiny-vlm-random")
+    try:
+        train(load_config([*VLM_RUN, "--output-dir", str(tmp_path / "local")]))
+        flags = ["--rollout-backend", "sglang", "--sglang-url", url, "--check-weight-update-equal"]
+        train(load_config([*VLM_RUN, *flags, "--output-dir", str(tmp_path / "sglang")]))
+    finally:
+        proc.kill()
+        proc.wait()
+    local, remote = (
+        comparable(read_metrics(tmp_path / "local")),
+        comparable(read_metrics(tmp_path / "sglang")),
+    )
+    assert len(local) == len(remote) == 2
+    for a, b in zip(local, remote):
+        for key in ("reward_mean", "response_len_mean", "train_rollout_logprob_abs_diff", "pg_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key

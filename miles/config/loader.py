@@ -552,8 +552,6 @@ def validate_sglang(cfg: RunConfig) -> None:
         "--rollout-num-gpus": (cfg.sync.rollout_num_gpus or 1) > 1,
         "--debug-train-only": cfg.debug.debug_train_only,
         "--env-path": cfg.co_evolution.env_path,
-        "prompts with images (--multimodal-keys, --task shapes)": bool(cfg.data.multimodal_keys)
-        or cfg.data.task == "shapes",
     }
     on = [flag for flag, value in clashes.items() if value]
     if on:

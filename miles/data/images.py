@@ -10,7 +10,7 @@ is; otherwise Hugging Face's Qwen2-VL image processor makes the pixels and the p
 expanded here, as `Qwen2VLProcessor` does.
 
 `--task shapes`: an image of a few coloured squares on a 4 x 4 grid and the question "How many
-squares are in the image?". The count (1 to 4) is drawn uniformly, so a model that cannot see
+squares?". The count (1 to 4) is drawn uniformly, so a model that cannot see
 scores about 1 in 4.
 """
 
@@ -68,7 +68,44 @@ class VisionProcessor:
             expand(text) if text is not None else [{**m, "content": expand(m["content"])} for m in messages]
         )
         ids = encode_prompt(self.tokenizer, prompt, chat)
-        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+        # image_data: the images themselves, for servers that run their own processor (SGLang)
+        pixels = {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+        return ids, {**pixels, "image_data": [png(x) for x in loaded]}
+
+    def pixels(self, image_data: list) -> dict[str, torch.Tensor]:
+        """The pixel inputs of images given as SGLang's image_data (base64 PNG, or paths)."""
+        out = self.images(images=[load_image(decode_image_data(x)) for x in image_data], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def png(image) -> str:
+    """An image as base64 PNG (what SGLang's image_data takes)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except OSError:  # too long for a file name: base64
+        return False
+
+
+def decode_image_data(x: str):
+    """An image_data entry: base64 (optionally a data: URL) or a path."""
+    import base64
+    import binascii
+
+    if isinstance(x, str) and not _is_file(x):
+        try:
+            return base64.b64decode(x.split(",", 1)[-1], validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise MilesError(f"image_data: neither a file nor base64 ({str(x)[:40]}...)") from e
+    return x
 
 
 def join_images(*parts: dict | None) -> dict | None:
@@ -79,6 +116,7 @@ def join_images(*parts: dict | None) -> dict | None:
     return {
         "pixel_values": torch.cat([p["pixel_values"] for p in present]),
         "image_grid_thw": torch.cat([p["image_grid_thw"] for p in present]),
+        "image_data": [x for p in present for x in p.get("image_data", [])],
     }
 
 

@@ -222,6 +222,10 @@ class SGLangRollout:
         if p.seed is not None:
             params["sampling_seed"] = int(p.seed)
         body = {"input_ids": list(request.prompt_ids), "sampling_params": params, "return_logprob": True}
+        if (
+            request.images is not None
+        ):  # the ids hold the images' expanded tokens; the server makes the pixels
+            body["image_data"] = list(request.images["image_data"])
         if self.moe:
             body["return_routed_experts"] = True
         return body
@@ -270,6 +274,8 @@ class SGLangRollout:
             raise ServerError(f"{where}: unknown finish_reason {reason!r}")
         version = _int_version(meta.get("weight_version"), self._version)
         sample = request.sample if request.sample is not None else Sample()
+        if request.images is not None:  # what training replays the response against
+            sample.multimodal_train_inputs = request.images
         sample.tokens = list(request.prompt_ids) + ids
         sample.response_length = len(ids)
         sample.rollout_log_probs = logprobs

@@ -49,6 +49,7 @@ TOP_LEVEL_KEYS = {
     "return_routed_experts",
     "rid",
     "stream",
+    "image_data",
 }
 
 
@@ -304,7 +305,10 @@ class EngineServer:
         self._check_inputs(prompts, "prompt", self.engine.max_seq_len - 1)  # room for a token
         if params.stop and self.engine.tokenizer is None:
             raise BadRequest("stop strings need a tokenizer; use stop_token_ids")
-        futures = [self.submit(Request(list(p), SamplingParams(**vars(params)))) for p in prompts]
+        images = self._images(body, prompts)
+        futures = [
+            self.submit(Request(list(p), SamplingParams(**vars(params)), images=images)) for p in prompts
+        ]
         samples = [f.result() for f in futures]
         out = [
             sample_response(
@@ -313,6 +317,25 @@ class EngineServer:
             for s in samples
         ]
         return out if batch else out[0]
+
+    def _images(self, body: dict, prompts: list) -> dict | None:
+        """The pixels of a prompt's image_data (SGLang's field: its images, base64 PNG or paths),
+        made by this model's processor; the ids already hold their expanded image tokens."""
+        if "image_data" not in body:
+            return None
+        config = self.engine.model.config
+        if not config.is_vision_language:
+            raise BadRequest("image_data: this server's model is not a vision-language model")
+        data = body["image_data"]
+        if len(prompts) != 1 or not isinstance(data, list) or not data:
+            raise BadRequest("image_data: a non-empty list of images, for one prompt (not a batch)")
+        from miles.data.images import VisionProcessor
+
+        processor = VisionProcessor(self.engine.tokenizer, config.vision_config.spatial_merge_size)
+        try:
+            return {**processor.pixels(data), "image_data": data}
+        except MilesError as e:
+            raise BadRequest(str(e)) from e
 
     def _check_inputs(self, prompts, what: str, longest: int) -> None:
         """Each token sequence at most `longest` tokens long, of ids in the vocabulary."""
