@@ -367,3 +367,13 @@ def test_images_reach_sglang_servers_as_image_data(tmp_path):
     for a, b in zip(local, remote):
         for key in ("reward_mean", "response_len_mean", "train_rollout_logprob_abs_diff", "pg_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), key
+
+
+def test_a_draft_model_with_a_vlm_is_refused(tmp_path):
+    """Speculative drafts never see the images: refused before any work, naming the flag."""
+    from miles.config import load_config
+    from miles.errors import ConfigError
+    from miles.run import train
+
+    with pytest.raises(ConfigError, match="--draft-model with a vision-language model"):
+        train(load_config([*VLM_RUN, "--draft-model", "ngram", "--output-dir", str(tmp_path)]))

@@ -87,6 +87,11 @@ def build_executor(cfg: RunConfig, policy, tokenizer, max_seq_len: int, draft=No
     and --rollout-num-gpus engine devices, and the weight sync between them. `teacher`
     (--use-opd, one process only): the trainer's KL reference."""
     check_capabilities(cfg)
+    if cfg.speculative.draft_model is not None and policy.config.is_vision_language:
+        raise ConfigError(
+            "--draft-model with a vision-language model: the drafts do not see images yet, so they would "
+            "propose blind; drop --draft-model"
+        )
     sync_cfg, rollout_cfg = cfg.sync, cfg.rollout
     ranks, devices = (
         sync_cfg.actor_num_nodes * sync_cfg.actor_num_gpus_per_node,
