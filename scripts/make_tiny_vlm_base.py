@@ -73,7 +73,7 @@ def accuracy(model, batch, labels) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--target", type=float, default=0.5, help="stop at this held-out accuracy")
+    p.add_argument("--target", type=float, default=0.45, help="stop at this held-out accuracy")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
