@@ -232,3 +232,21 @@ def test_a_checkpoint_of_another_mode_starts_the_schedule_at_its_step():
     assert schedule.admitted - 5 * cfg.rollout.rollout_batch_size == cfg.rollout.rollout_batch_size
     groups, _ = schedule.take_batch(5)
     assert len(groups) == cfg.rollout.rollout_batch_size and schedule.segment == 6
+
+
+def test_groups_wait_rather_than_drop_to_split_over_ranks():
+    """With 3 training ranks and groups of 2, a batch of 4 groups (8 samples) keeps 3 (6 samples);
+    the fourth, not yet due, is trained next step, not dropped."""
+    cfg = load_config(
+        small_run_args("/tmp/unused", 4)
+        + ["--rollout-mode", "fully-async", "--use-tis", "--n-samples-per-prompt", "2"]
+    )
+    schedule, engine = FullyAsyncRollout(cfg), StepEngine(slots=64)
+    prompts = iter(PromptItem(f"short {i}") for i in range(100))
+    schedule.run_segment(engine, lambda k: [next(prompts) for _ in range(k)])
+    first, _ = schedule.take_batch(0, world=3)
+    assert [len(g) for g in first] == [2, 2, 2]
+    engine.weight_version = 0
+    schedule.run_segment(engine, lambda k: [next(prompts) for _ in range(k)])
+    second, _ = schedule.take_batch(1, world=3)
+    assert first[0][0].prompt == "short 0" and second[0][0].prompt == "short 3"  # the one that waited, first

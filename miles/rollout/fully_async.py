@@ -81,9 +81,11 @@ class FullyAsyncRollout:
             return finished >= self.batch
         return finished >= self.batch and all(g.complete for g in self.groups if self.due(g) <= step)
 
-    def take_batch(self, step: int) -> tuple[list[list[Sample]], dict[str, float]]:
+    def take_batch(self, step: int, world: int = 1) -> tuple[list[list[Sample]], dict[str, float]]:
         """Step `step`'s groups (every finished one due by then, then the oldest finished) and the
-        pacing metrics: staleness of what is in flight and queued, what was generated meanwhile."""
+        pacing metrics: staleness of what is in flight and queued, what was generated meanwhile.
+        `world` training ranks: groups not yet due wait for the next step until the samples split
+        evenly over the ranks (nothing is dropped for the split)."""
         finished = [g for g in self.groups if g.complete]
         dropped = 0
         if self.cfg.sync.drop_stale:
@@ -94,6 +96,8 @@ class FullyAsyncRollout:
         due = [g for g in finished if self.due(g) <= step]
         rest = [g for g in finished if self.due(g) > step]
         batch = sorted(due + rest[: max(0, self.batch - len(due))], key=lambda g: g.index)
+        while sum(len(g.samples) for g in batch) % world and any(self.due(g) > step for g in batch):
+            batch.remove(max((g for g in batch if self.due(g) > step), key=lambda g: g.index))
         self.groups = [g for g in self.groups if g not in batch]
         in_flight = [g for g in self.groups if not g.complete]
         queued = [g for g in self.groups if g.complete]

@@ -99,7 +99,7 @@ class RolloutFeed:
         self._wait_ahead()
         while fa.segment <= rollout_id:  # the first step (or a checkpoint without the segment) runs it here
             fa.run_segment(rollout, self.data.train.take)
-        groups, pacing = fa.take_batch(rollout_id)
+        groups, pacing = fa.take_batch(rollout_id, self.executor.trainer.world)
         if self._more_after(rollout_id):
             self.ahead = self.pool.submit(fa.run_segment, rollout, self.data.train.take)
         if self.routing is not None:
