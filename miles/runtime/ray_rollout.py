@@ -23,6 +23,7 @@ from miles.data.sample import Sample, Status
 from miles.errors import MilesError
 from miles.rollout.sampling import Request
 from miles.sync.buckets import BucketMeta, SyncIntegrityError, unpack_bucket
+from miles.sync.delta import deliver
 from miles.sync.object_store import from_object_store, put_buckets
 from miles.sync.transports import SyncStats
 
@@ -410,19 +411,21 @@ class RolloutManager:
         return isinstance(e, RayActorError) or (self.tp_size > 1 and isinstance(e.cause, RuntimeError))
 
     def _broadcast_delta(self, source, version: int) -> SyncStats:
+        """A delta over the group; a full version follows to every member (the group has no
+        other way) if any refused it (`miles.sync.delta.deliver`)."""
         t0 = time.perf_counter()
-        moved = 0
-        for _ in range(2):  # a delta; then, if any engine refused it, a full version to all
+        first: list = []  # the first send's (changed fraction, full bytes)
+
+        def send(only: list[int] | None) -> tuple[list[int], int]:
             self._form_group(source)
             receives = [a.receive_delta.remote() for a in self.actors]
             sent, changed, full = source.broadcast_delta(version)
-            moved += sent * len(self.actors)
-            refused = [j for j, ok in enumerate(ray.get(receives)) if not ok]
-            if not refused:
-                return SyncStats(0, 1, full, moved, time.perf_counter() - t0, changed)
-            log.warning("delta sync v%d refused by engine(s) %s; sending a full version", version, refused)
-            source.reset_delta()
-        raise MilesError(f"delta sync: engine(s) {refused} refused a full version {version}")
+            first.append((changed, full))
+            return [j for j, ok in enumerate(ray.get(receives)) if not ok], sent * len(self.actors)
+
+        moved = deliver(version, send, source.reset_delta)
+        changed, full = first[0]
+        return SyncStats(0, 1, full, moved, time.perf_counter() - t0, changed)
 
     def _form_group(self, source) -> None:
         if not self._group_formed:

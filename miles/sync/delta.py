@@ -15,7 +15,8 @@ delta pays (`sync_changed_fraction` measures it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ import zstandard
 
 from miles.errors import MilesError
 from miles.sync.buckets import checksum_bytes, tensor_bytes
+
+log = logging.getLogger("miles")
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bit pattern
 
@@ -140,3 +143,20 @@ class DeltaDecoder:
         self.state.update(new_state)
         self.version = delta.version
         return list(new_state.items())
+
+
+def deliver(
+    version: int, send: Callable[[list[int] | None], tuple[list[int], int]], reset: Callable[[], None]
+) -> int:
+    """One version by delta, for every transport: `send(only)` encodes and sends it (to the
+    engines `only`, or all) and returns (the engines that refused it, bytes moved). Where any
+    refused, the chain restarts (`reset`) and a full version goes to them. Returns bytes moved."""
+    refused, moved = send(None)
+    if not refused:
+        return moved
+    log.warning("delta sync v%d refused by engine(s) %s; sending a full version", version, refused)
+    reset()
+    still, full = send(refused)
+    if still:
+        raise MilesError(f"delta sync: engine(s) {still} refused a full version {version}")
+    return moved + full

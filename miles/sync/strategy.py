@@ -23,6 +23,7 @@ from typing import Protocol
 
 from miles.errors import ConfigError, MilesError
 from miles.sync.buckets import checksum
+from miles.sync.delta import deliver
 from miles.sync.payload import published_weights
 from miles.sync.transports import (
     BucketBuffer,
@@ -171,20 +172,18 @@ class DeltaObjectStore(_RankZeroToEngines):
 
     def push(self, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        ref, moved, changed, payload = self.trainer.publish_delta(version)
-        refused = self.rollout.update_weights_from_delta(self.trainer, ref, version, self.bucket_bytes)
-        if refused:
-            log.warning(
-                "delta sync v%d refused by engine(s) %s; sending them a full version", version, refused
+        first: list = []  # the first send's (changed fraction, full bytes)
+
+        def send(only: list[int] | None) -> tuple[list[int], int]:
+            ref, moved, changed, payload = self.trainer.publish_delta(version)
+            first.append((changed, payload))
+            refused = self.rollout.update_weights_from_delta(
+                self.trainer, ref, version, self.bucket_bytes, only
             )
-            self.trainer.reset_delta()
-            ref, full, _, _ = self.trainer.publish_delta(version)
-            still = self.rollout.update_weights_from_delta(
-                self.trainer, ref, version, self.bucket_bytes, refused
-            )
-            if still:
-                raise MilesError(f"delta sync: engine(s) {still} refused a full version {version}")
-            moved += full * len(refused)
+            return refused, moved if only is None else moved * len(only)  # one put; then one per refuser
+
+        moved = deliver(version, send, self.trainer.reset_delta)
+        changed, payload = first[0]
         return SyncStats(0, 1, payload, moved, time.perf_counter() - t0, changed)
 
 
