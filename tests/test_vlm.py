@@ -234,13 +234,13 @@ def test_blanked_images_are_seen_by_a_model_that_looks(pair):
     """The blind check's measure: response log-probs move when a model's images are blanked;
     they do not when the images were blank already."""
     from miles.rollout.engine import Engine
-    from miles.train.batch import blank_images, vision_sensitivity
+    from miles.train.batch import mean_images, vision_sensitivity
 
     _, model, _ = pair
     samples = Engine(model, max_batch_size=4, max_seq_len=64, seed=0).generate(image_requests(2, 2))
     assert vision_sensitivity(model, samples, 1.0) > 1e-3
     for s in samples:
-        s.multimodal_train_inputs = blank_images(s.multimodal_train_inputs)
+        s.multimodal_train_inputs = mean_images(s.multimodal_train_inputs)
     assert vision_sensitivity(model, samples, 1.0) < 1e-6  # the mean of equal rows, to rounding
 
 

@@ -199,12 +199,6 @@ class BlackBoxAgent(SingleTurn):
             self.gateway.close()
 
 
-def agent_vision(cfg: RunConfig) -> bool:
-    from miles.models import registry
-
-    return registry.config_for(cfg.model.model).is_vision_language
-
-
 def rollout_mode(cfg: RunConfig) -> RolloutMode:
     """The run's rollout mode, its tools and functions imported now (a bad path fails before any work)."""
     agent = cfg.agent
@@ -219,12 +213,9 @@ def rollout_mode(cfg: RunConfig) -> RolloutMode:
         box = ToolBox(load_tools(agent.tool_path), agent.tool_timeout, limits, agent.tool_num_workers)
         return ToolCalling(box, parser, stop, agent.max_turns, agent.max_tool_calls, agent.max_turn_tokens)
     if agent.custom_generate_function_path:
-        processor = None
-        if agent_vision(cfg):
-            from miles.data.images import processor_for
+        from miles.data.images import vision_processor
 
-            processor = processor_for(cfg.model.model)
-        return CustomGenerate(agent.custom_generate_function_path, processor)
+        return CustomGenerate(agent.custom_generate_function_path, vision_processor(cfg.model.model))
     if agent.agent_path:
         return BlackBoxAgent(agent.agent_path, cfg.rollout.rollout_max_response_len)
     return SingleTurn()

@@ -145,17 +145,25 @@ def blank_images(images: list) -> list:
     return [Image.new("RGB", load_image(x).size, (255, 255, 255)) for x in images]
 
 
-@functools.lru_cache(maxsize=4)
 def processor_for(model: str) -> VisionProcessor:
-    """The processor of `--model` (a vision-language model)."""
-    from miles.models import registry
-
-    config, tokenizer = registry.config_for(model), registry.tokenizer_for(model)
-    if not config.is_vision_language:
+    """The processor of `--model`, which must be a vision-language model."""
+    processor = vision_processor(model)
+    if processor is None:
         raise ConfigError(
             f"--model {model}: prompts with images need a vision-language model (e.g. tiny-vlm)"
         )
-    path = registry.model_path(model)
+    return processor
+
+
+@functools.lru_cache(maxsize=4)
+def vision_processor(model: str) -> VisionProcessor | None:
+    """The processor of `--model`; None for a text-only model."""
+    from miles.models import registry
+
+    config = registry.config_for(model)
+    if not config.is_vision_language:
+        return None
+    tokenizer, path = registry.tokenizer_for(model), registry.model_path(model)
     image_processor = None
     if path is not None and (Path(path) / "preprocessor_config.json").exists():
         from transformers import AutoImageProcessor

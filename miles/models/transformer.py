@@ -454,10 +454,15 @@ class Transformer(nn.Module):
         mask = mask[:, None]  # (B, 1, T, S)
         h = self.model.embed_tokens(input_ids)
         cfg = self.config
-        images_asked = cfg.is_vision_language and bool(
-            ((input_ids == cfg.image_token_id) & attention_mask).any()
-        )
-        if images_asked and pixel_values is None:
+        # a prompt forward (a decode step feeds sampled tokens, and a sampled image marker ends
+        # its response): image tokens without pixels would run the model blind
+        prompt = cache is None or T > 1
+        if (
+            cfg.is_vision_language
+            and pixel_values is None
+            and prompt
+            and bool(((input_ids == cfg.image_token_id) & attention_mask).any())
+        ):
             raise MilesError(
                 f"the input holds image tokens (id {cfg.image_token_id}) but no pixel_values: the images of a "
                 "prompt must travel with its tokens (Sample.multimodal_train_inputs)"

@@ -164,9 +164,7 @@ class RolloutFeed:
     def in_flight(self) -> int:
         """Samples whose records may wait at once: one rollout's, two with a rollout running ahead."""
         per_rollout = self.draw * self.cfg.rollout.n_samples_per_prompt
-        if (
-            self.fully_async is not None
-        ):  # admitted and not yet trained: at most (--max-staleness + 1) batches
+        if self.fully_async is not None:  # admitted, not yet trained: up to --max-staleness + 1 batches
             return per_rollout * (self.cfg.sync.max_staleness + 1)
         return per_rollout * (2 if self.pool is not None else 1)
 

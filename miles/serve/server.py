@@ -12,6 +12,7 @@ request gets a 4xx with a JSON {"error": ...}; it never reaches the engine.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -318,6 +319,13 @@ class EngineServer:
         ]
         return out if batch else out[0]
 
+    @functools.cached_property
+    def _vision_processor(self):
+        from miles.data.images import VisionProcessor
+
+        config = self.engine.model.config
+        return VisionProcessor(self.engine.tokenizer, config.vision_config.spatial_merge_size)
+
     def _images(self, body: dict, prompts: list) -> dict | None:
         """The pixels of a prompt's image_data (SGLang's field: its images, base64 PNG or paths),
         made by this model's processor; the ids already hold their expanded image tokens."""
@@ -329,11 +337,8 @@ class EngineServer:
         data = body["image_data"]
         if len(prompts) != 1 or not isinstance(data, list) or not data:
             raise BadRequest("image_data: a non-empty list of images, for one prompt (not a batch)")
-        from miles.data.images import VisionProcessor
-
-        processor = VisionProcessor(self.engine.tokenizer, config.vision_config.spatial_merge_size)
         try:
-            return {**processor.pixels(data), "image_data": data}
+            return {**self._vision_processor.pixels(data), "image_data": data}
         except MilesError as e:
             raise BadRequest(str(e)) from e
 

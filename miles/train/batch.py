@@ -102,14 +102,14 @@ def forward_packed(
         return shared_prompt_forward(model, batch.shared, head, overhead)
 
     def rows_of(rows: torch.Tensor | slice, length: int, part_head: HeadRequest | None) -> ModelOutput:
+        pixel_values, grid = None, None
+        if batch.images is not None:  # these rows' images, in row order (read before the rows move)
+            picked = batch.images if isinstance(rows, slice) else [batch.images[r] for r in rows.tolist()]
+            pixel_values, grid = batch_images(picked)
+            pixel_values = None if pixel_values is None else pixel_values.to(device)
         if isinstance(rows, torch.Tensor):
             rows = rows.to(device)
         forced = None if batch.forced_experts is None else batch.forced_experts[rows, :length]
-        pixel_values, grid = None, None
-        if batch.images is not None:  # these rows' images, in row order
-            picked = batch.images if isinstance(rows, slice) else [batch.images[int(r)] for r in rows]
-            pixel_values, grid = batch_images(picked)
-            pixel_values = None if pixel_values is None else pixel_values.to(device)
         return model(
             batch.input_ids[rows, :length], attention_mask=batch.attention_mask[rows, :length],
             forced_experts=forced, head=part_head, pixel_values=pixel_values, image_grid_thw=grid,
@@ -165,9 +165,10 @@ def scatter(values: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> tor
     return flat.view(like.shape)
 
 
-def blank_images(images: dict) -> dict:
+def mean_images(images: dict) -> dict:
     """The same images with every patch replaced by its image's mean: same size and average
-    colour, no content (what the blind check compares a prompt's log-probs against)."""
+    colour, no content (what the blind check compares a prompt's log-probs against; the white
+    images of --debug-blank-images are `miles.data.images.blank_images`)."""
     pixels, grid = (
         torch.as_tensor(images["pixel_values"]),
         torch.as_tensor(images["image_grid_thw"]).reshape(-1, 3),
@@ -184,16 +185,17 @@ def vision_sensitivity(
     model: Transformer, samples: Sequence[Sample], temperature: float, limit: int = 4
 ) -> float | None:
     """Mean |log-prob change| of the response tokens of up to `limit` image samples when their
-    images are blanked (`blank_images`): about 0 for a model that does not look (the images never
+    images are blanked (`mean_images`): about 0 for a model that does not look (the images never
     reached it, or it learnt to ignore them). None without image samples."""
     picked = [s for s in samples if s.multimodal_train_inputs is not None][:limit]
     if not picked:
         return None
     blanked = [
         Sample(tokens=s.tokens, response_length=s.response_length, loss_mask=s.loss_mask,
-               multimodal_train_inputs=blank_images(s.multimodal_train_inputs))
+               multimodal_train_inputs=mean_images(s.multimodal_train_inputs))
         for s in picked
     ]  # fmt: skip
-    seen, blind = (forward_logprobs(model, pack_samples(x), temperature) for x in (picked, blanked))
-    mask = pack_samples(picked).response_mask.to(seen.logprobs.device)
+    batch = pack_samples(picked)
+    seen, blind = (forward_logprobs(model, b, temperature) for b in (batch, pack_samples(blanked)))
+    mask = batch.response_mask.to(seen.logprobs.device)
     return float(((seen.logprobs - blind.logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
