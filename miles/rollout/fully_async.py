@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from miles.config.schema import RunConfig
 from miles.data.prompts import PromptItem
-from miles.data.sample import Sample, Status
+from miles.data.sample import Sample
 from miles.rollout.groups import group_requests
 from miles.rollout.partial import _Group, advance
 
@@ -89,7 +89,7 @@ class FullyAsyncRollout:
         finished = [g for g in self.groups if g.complete]
         dropped = 0
         if self.cfg.sync.drop_stale:
-            stale = [g for g in finished if step - min(_oldest(x) for x in g.samples) > self.bound]
+            stale = [g for g in finished if max(staleness(x, step) for x in g.samples) > self.bound]
             dropped, self.dropped = len(stale), self.dropped + len(stale)
             finished = [g for g in finished if g not in stale]
             self.groups = [g for g in self.groups if g not in stale]
@@ -135,11 +135,11 @@ class FullyAsyncRollout:
         self.segment, self.generated = state["segment"], list(state["generated"])
 
 
-def _oldest(sample: Sample) -> int:
-    """The oldest weight version that produced part of `sample`."""
-    return min(sample.weight_versions or [0])
+def staleness(sample: Sample, version: int) -> int:
+    """How many versions `sample` lags `version`: from the oldest weights that produced part of it."""
+    return version - min(sample.weight_versions or [version])
 
 
 def trained_staleness(groups: list[list[Sample]], step: int) -> list[int]:
-    """Each trained sample's staleness: `step` - the oldest version that produced it."""
-    return [step - _oldest(s) for g in groups for s in g if s.status != Status.ABORTED]
+    """Each trained sample's staleness at `step`."""
+    return [staleness(s, step) for g in groups for s in g]

@@ -22,7 +22,7 @@ from miles.data.run_data import RunData
 from miles.devices import resolve_device, yield_to_trainer
 from miles.rewards.runner import RewardRunner
 from miles.rollout.debug_data import load_rollout, save_rollout
-from miles.rollout.fully_async import FullyAsyncRollout, trained_staleness
+from miles.rollout.fully_async import FullyAsyncRollout, staleness, trained_staleness
 from miles.rollout.groups import collect_groups, score_and_filter
 from miles.rollout.partial import PartialRollout
 from miles.rollout.routing_buffer import RoutingBuffer
@@ -246,7 +246,7 @@ def drop_stale(groups, trainer_version: int, bound: int | None):
     kept = []
     for group in groups:
         for s in group:
-            s.metadata["staleness"] = trainer_version - min(s.weight_versions or [trainer_version])
+            s.metadata["staleness"] = staleness(s, trainer_version)
         if bound is None or all(s.metadata["staleness"] <= bound for s in group):
             kept.append(group)
     return kept, len(groups) - len(kept)
