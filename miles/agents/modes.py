@@ -215,7 +215,8 @@ def rollout_mode(cfg: RunConfig) -> RolloutMode:
     if agent.custom_generate_function_path:
         from miles.data.images import vision_processor
 
-        return CustomGenerate(agent.custom_generate_function_path, vision_processor(cfg.model.model))
+        processor = vision_processor(cfg.model.model, cfg.sglang.rollout_backend == "sglang")
+        return CustomGenerate(agent.custom_generate_function_path, processor)
     if agent.agent_path:
         return BlackBoxAgent(agent.agent_path, cfg.rollout.rollout_max_response_len)
     return SingleTurn()

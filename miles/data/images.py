@@ -35,10 +35,14 @@ COLOURS = [(220, 40, 40), (40, 180, 60), (40, 80, 220), (230, 200, 30), (200, 60
 class VisionProcessor:
     """Text + images -> (token ids with the images' tokens expanded, pixel inputs), in one call."""
 
-    def __init__(self, tokenizer, spatial_merge_size: int = 2, image_processor=None) -> None:
+    def __init__(
+        self, tokenizer, spatial_merge_size: int = 2, image_processor=None, keep_images: bool = False
+    ) -> None:
+        """`keep_images`: also return the images as base64 PNG (`image_data`), for rollout on
+        servers that run their own processor (--rollout-backend sglang); encoded only then."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.tokenizer, self.merge = tokenizer, spatial_merge_size
+        self.tokenizer, self.merge, self.keep_images = tokenizer, spatial_merge_size, keep_images
         self.images = image_processor or Qwen2VLImageProcessorPil(merge_size=spatial_merge_size)
         self.start, self.pad, self.end = VISION_MARKERS
 
@@ -68,9 +72,10 @@ class VisionProcessor:
             expand(text) if text is not None else [{**m, "content": expand(m["content"])} for m in messages]
         )
         ids = encode_prompt(self.tokenizer, prompt, chat)
-        # image_data: the images themselves, for servers that run their own processor (SGLang)
         pixels = {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
-        return ids, {**pixels, "image_data": [png(x) for x in loaded]}
+        if self.keep_images:  # the images themselves, for servers that run their own processor
+            pixels["image_data"] = [png(x) for x in loaded]
+        return ids, pixels
 
     def pixels(self, image_data: list) -> dict[str, torch.Tensor]:
         """The pixel inputs of images given as SGLang's image_data (base64 PNG, or paths)."""
@@ -110,14 +115,15 @@ def decode_image_data(x: str):
 
 def join_images(*parts: dict | None) -> dict | None:
     """One conversation's pixel inputs from its turns' (in the order their image tokens come)."""
-    present = [p for p in parts if p is not None]
-    if not present:
+    from miles.models.vision import batch_images
+
+    pixel_values, grid = batch_images(parts)
+    if pixel_values is None:
         return None
-    return {
-        "pixel_values": torch.cat([p["pixel_values"] for p in present]),
-        "image_grid_thw": torch.cat([p["image_grid_thw"] for p in present]),
-        "image_data": [x for p in present for x in p.get("image_data", [])],
-    }
+    joined = {"pixel_values": pixel_values, "image_grid_thw": grid}
+    if any("image_data" in p for p in parts if p is not None):
+        joined["image_data"] = [x for p in parts if p is not None for x in p.get("image_data", [])]
+    return joined
 
 
 def load_image(x):
@@ -145,9 +151,9 @@ def blank_images(images: list) -> list:
     return [Image.new("RGB", load_image(x).size, (255, 255, 255)) for x in images]
 
 
-def processor_for(model: str) -> VisionProcessor:
+def processor_for(model: str, keep_images: bool = False) -> VisionProcessor:
     """The processor of `--model`, which must be a vision-language model."""
-    processor = vision_processor(model)
+    processor = vision_processor(model, keep_images)
     if processor is None:
         raise ConfigError(
             f"--model {model}: prompts with images need a vision-language model (e.g. tiny-vlm)"
@@ -156,8 +162,8 @@ def processor_for(model: str) -> VisionProcessor:
 
 
 @functools.lru_cache(maxsize=4)
-def vision_processor(model: str) -> VisionProcessor | None:
-    """The processor of `--model`; None for a text-only model."""
+def vision_processor(model: str, keep_images: bool = False) -> VisionProcessor | None:
+    """The processor of `--model`; None for a text-only model (`keep_images`: `VisionProcessor`)."""
     from miles.models import registry
 
     config = registry.config_for(model)
@@ -169,7 +175,7 @@ def vision_processor(model: str) -> VisionProcessor | None:
         from transformers import AutoImageProcessor
 
         image_processor = AutoImageProcessor.from_pretrained(str(path))
-    return VisionProcessor(tokenizer, config.vision_config.spatial_merge_size, image_processor)
+    return VisionProcessor(tokenizer, config.vision_config.spatial_merge_size, image_processor, keep_images)
 
 
 def shapes_image(count: int, rng: random.Random):

@@ -42,7 +42,8 @@ def group_requests(
         from miles.data.images import blank_images, processor_for
 
         pictures = blank_images(item.images) if cfg.debug.debug_blank_images else item.images
-        ids, images = processor_for(cfg.model.model)(item.prompt, pictures, chat)
+        sglang = cfg.sglang.rollout_backend == "sglang"  # its servers take the images themselves
+        ids, images = processor_for(cfg.model.model, sglang)(item.prompt, pictures, chat)
     elif mode is None:
         ids = encode_prompt(tokenizer, item.prompt, chat)
     else:

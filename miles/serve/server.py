@@ -338,7 +338,7 @@ class EngineServer:
         if len(prompts) != 1 or not isinstance(data, list) or not data:
             raise BadRequest("image_data: a non-empty list of images, for one prompt (not a batch)")
         try:
-            return {**self._vision_processor.pixels(data), "image_data": data}
+            return self._vision_processor.pixels(data)
         except MilesError as e:
             raise BadRequest(str(e)) from e
 
