@@ -126,6 +126,24 @@ def join_images(*parts: dict | None) -> dict | None:
     return joined
 
 
+def image_size(x) -> tuple[int, int]:
+    """(width, height) of an image, a path or bytes, read from the header (nothing decoded)."""
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        return x.size
+    if isinstance(x, dict) and "bytes" in x:
+        x = x["bytes"]
+    if isinstance(x, (bytes, bytearray)):
+        import io
+
+        x = io.BytesIO(x)
+    elif not Path(str(x)).exists():
+        return load_image(x).size  # the same error load_image gives
+    with Image.open(x) as image:
+        return image.size
+
+
 def load_image(x):
     """A PIL image from an image, a path, or encoded bytes."""
     from PIL import Image

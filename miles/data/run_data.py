@@ -13,12 +13,12 @@ from miles.errors import ConfigError
 def image_tokens(images: list) -> int:
     """About the image tokens of `images`: one per 28 x 28 pixels (Qwen2-VL's merged block) and
     the two markers around each."""
-    from miles.data.images import load_image
+    from miles.data.images import image_size
 
     total = 0
     for x in images:
-        image = load_image(x)
-        total += -(-image.width // 28) * -(-image.height // 28) + 2
+        width, height = image_size(x)
+        total += -(-width // 28) * -(-height // 28) + 2
     return total
 
 
