@@ -127,7 +127,11 @@ def time_miles(setup: Setup, steps: int) -> list[float]:
         "--no-progress", "--micro-batch-size", str(setup.prompts * setup.group),
     ]  # fmt: skip
     train(load_config(argv))
-    return [r["step_time"] for r in read_metrics(out) if "step_time" in r][1:]
+    rows = [r for r in read_metrics(out) if "step_time" in r][1:]
+    if os.environ.get("MILES_BENCH_PARTS"):
+        for k in ("rollout_time", "train_time", "step_time"):
+            print(k, statistics.median(r[k] for r in rows))
+    return [r["step_time"] for r in rows]
 
 
 def main() -> None:

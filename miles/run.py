@@ -10,6 +10,9 @@ from miles.config.schema import RunConfig
 
 def train(cfg: RunConfig) -> Path:
     """Run a resolved configuration; returns the run directory."""
+    from miles.devices import reuse_freed_memory
+
+    reuse_freed_memory()
     if cfg.co_evolution.env_path:
         from miles.multiagent.co_evolution import train_agents
 

@@ -8,7 +8,6 @@ experts (routing replay, R3). Shapes: B batch, T tokens, H heads, D head dim, E 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,25 +41,9 @@ class ModelOutput:
     routed_experts: torch.Tensor | None  # (B, T, MoE layers, K) int64, None for dense models
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (B, KV, T, D), if collected
     hidden: torch.Tensor | None = None  # the final-normed hidden states the logits come from (B, T, H)
-    token_logprobs: torch.Tensor | None = None  # (N,) with a HeadRequest: log-prob of each asked target
-    token_entropy: torch.Tensor | None = None  # (N,) with a HeadRequest: entropy at each asked position
-
-
-@dataclass
-class HeadRequest:
-    """The LM head at chosen positions only (training: the response tokens), through `compute`
-    (lm_head, final hidden rows (N, H), targets, temperature) -> (log-probs, entropies), e.g. in
-    row chunks that never hold (B, T, vocab) logits: prompt and padding positions cost nothing in
-    the head, on a real vocabulary the largest matmul of the model."""
-
-    rows: torch.Tensor  # (N,) flat positions b * T + t
-    targets: torch.Tensor  # (N,) the token whose log-prob each position gives
-    temperature: float | torch.Tensor
-    compute: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-    def part(self, picked: torch.Tensor, rows: torch.Tensor) -> HeadRequest:
-        """The request for the `picked` entries, at `rows` of another layout."""
-        return HeadRequest(rows, self.targets[picked], self.temperature, self.compute)
+    token_logprobs: torch.Tensor | None = None  # (N,) log-prob of each asked target (`forward_logprobs`)
+    token_entropy: torch.Tensor | None = None  # (N,) entropy at each asked position (`forward_logprobs`)
+    head_hidden: torch.Tensor | None = None  # (N, H) with head_rows: the final-normed hidden rows asked for
 
 
 @dataclass
@@ -405,6 +388,16 @@ class Transformer(nn.Module):
             device or p.device, dtype or p.dtype,
         )  # fmt: skip
 
+    def embed_for_forwards(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Token embeddings for a caller that runs several forwards on parts of `input_ids`
+        (length buckets, shared prompts) and passes each its `inputs_embeds`: one embedding
+        backward for all of them instead of a vocabulary-sized gradient each. None where the
+        weights are sharded (FSDP2 gathers them inside forward only): each forward embeds."""
+        weight = self.model.embed_tokens.weight
+        if hasattr(weight, "to_local"):  # a DTensor
+            return None
+        return self.model.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, T)
@@ -418,7 +411,8 @@ class Transformer(nn.Module):
         collect_kv: bool = False,
         token_mask: torch.Tensor
         | None = None,  # (B, T) real tokens for MoE capacity (default: attention_mask)
-        head: HeadRequest | None = None,  # log-probs at these positions only, logits=None
+        head_rows: torch.Tensor | None = None,  # (N,) flat positions b * T + t: their hidden rows, no logits
+        inputs_embeds: torch.Tensor | None = None,  # (B, T, H) the token embeddings, computed by the caller
         pixel_values: torch.Tensor | None = None,  # vision-language: (patches, numbers per patch), all images
         image_grid_thw: torch.Tensor | None = None,  # (images, 3): each image's (t, h, w) in patches
         rope_positions: torch.Tensor
@@ -452,7 +446,7 @@ class Transformer(nn.Module):
             length = int(positions.max()) + 1
             mask = torch.arange(length, device=device)[None, None, :] <= positions[:, :, None]
         mask = mask[:, None]  # (B, 1, T, S)
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cfg = self.config
         # a prompt forward (a decode step feeds sampled tokens, and a sampled image marker ends
         # its response): image tokens without pixels would run the model blind
@@ -505,9 +499,8 @@ class Transformer(nn.Module):
             h = h[torch.arange(B, device=device), logits_at][:, None]
         hidden = self.model.norm(h)
         experts = torch.stack(routed, dim=2) if routed else None
-        if head is not None:
-            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head.rows)
-            logp, ent = head.compute(self.lm_head, rows, head.targets, head.temperature)
-            return ModelOutput(None, router_logits, experts, kv, hidden, logp, ent)
+        if head_rows is not None:  # the caller runs the LM head on these rows (training: responses only)
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head_rows)
+            return ModelOutput(None, router_logits, experts, kv, head_hidden=rows)
         logits = self.lm_head(hidden).float()
         return ModelOutput(logits, router_logits, experts, kv=kv, hidden=hidden)

@@ -67,10 +67,11 @@ class EngineActor:
         `device`: --device (cuda: the GPU Ray gave this actor). The engine works in token ids (the
         manager holds the tokenizer and writes each sample's text); `eos_token_ids`: the
         tokenizer's end of text. The tokenizer is loaded here only for requests with stop strings."""
-        from miles.devices import resolve_device, yield_to_trainer
+        from miles.devices import resolve_device, reuse_freed_memory, yield_to_trainer
         from miles.models import registry
         from miles.rollout.engine import Engine
 
+        reuse_freed_memory()
         torch.set_num_threads(threads)
         dev = self.device = resolve_device(device)
         if dev.type == "cpu" and run_cfg is not None and run_cfg.sync.rollout_mode == "fully-async":

@@ -86,10 +86,11 @@ class TrainerActor(GroupSender):
         self, rank: int, world: int, port: int, cfg: RunConfig, threads: int = 1, addr: str = "127.0.0.1"
     ) -> None:
         """`cfg`: the driver's resolved configuration, used as it is (not validated again)."""
-        from miles.devices import resolve_device
+        from miles.devices import resolve_device, reuse_freed_memory
         from miles.models import registry
         from miles.train.policy_trainer import PolicyTrainer, needs_reference
 
+        reuse_freed_memory()
         torch.set_num_threads(threads)
         device = resolve_device(cfg.model.device)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))

@@ -2,7 +2,7 @@
 
 This is the quantity the rollout engine reports (`rollout_log_probs`): log softmax(logits / T)
 at each response token, so the two can be compared token by token and their gap measured. The
-LM head runs on the response positions only (`HeadRequest`): prompt and padding positions, most
+LM head runs on the response positions only (`head_rows`): prompt and padding positions, most
 of a batch's tokens, never reach the vocabulary-sized matmul.
 """
 
@@ -16,10 +16,10 @@ import torch
 
 from miles.algo.logprobs import entropy, head_logprobs, token_logprobs
 from miles.data.sample import Sample
-from miles.models.transformer import HeadRequest, ModelOutput, Transformer
+from miles.models.transformer import ModelOutput, Transformer
 from miles.models.vision import batch_images
 from miles.train.length_buckets import bucketed_forward, overhead_tokens
-from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward
+from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward, take_rows
 
 
 @dataclass
@@ -48,19 +48,21 @@ class PackedBatch:
 def pack_samples(
     samples: Sequence[Sample], replay_routing: bool = False, share_prompts: bool = False
 ) -> PackedBatch:
-    T = max(len(s.tokens) for s in samples)
-    B = len(samples)
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    attn = torch.zeros(B, T - 1, dtype=torch.long)
-    resp = torch.zeros(B, T - 1, dtype=torch.float32)
-    rows = []
+    lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
+    prompts = lengths - np.array([s.response_length for s in samples], dtype=np.int64)
+    B, T = len(samples), int(lengths.max())
+    tokens = np.zeros((B, T), dtype=np.int64)
     for b, s in enumerate(samples):
-        n, p = len(s.tokens), s.prompt_length
-        tokens[b, :n] = torch.tensor(s.tokens)
-        attn[b, : n - 1] = 1
-        mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
-        resp[b, p - 1 : n - 1] = torch.tensor(mask, dtype=torch.float32)
-        rows.append(torch.arange(b * (T - 1) + p - 1, b * (T - 1) + n - 1))
+        tokens[b, : lengths[b]] = s.tokens
+    # response positions p-1 .. n-2 of each row (the targets p .. n-1), flat in (B, T-1)
+    counts = lengths - prompts
+    starts = np.arange(B) * (T - 1) + prompts - 1
+    rows = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    resp = np.zeros(B * (T - 1), dtype=np.float32)
+    resp[rows] = np.concatenate(
+        [s.loss_mask if s.loss_mask is not None else np.ones(s.response_length) for s in samples]
+    )
+    attn = (np.arange(T - 1)[None, :] < lengths[:, None] - 1).astype(np.int64)
     if replay_routing:
         missing = [b for b, s in enumerate(samples) if s.rollout_routed_experts is None]
         if missing:
@@ -74,7 +76,11 @@ def pack_samples(
     forced = None
     if replay_routing and shared is None:  # the shared-prompt plan carries its own routing
         forced = recorded_routing(samples, T - 1)
-    return PackedBatch(tokens[:, :-1], tokens[:, 1:], attn, resp, forced, shared, torch.cat(rows), images)
+    tokens = torch.from_numpy(tokens)
+    return PackedBatch(
+        tokens[:, :-1], tokens[:, 1:], torch.from_numpy(attn), torch.from_numpy(resp).view(B, T - 1), forced,
+        shared, torch.from_numpy(rows), images,
+    )  # fmt: skip
 
 
 def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
@@ -88,20 +94,22 @@ def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
 
 
 def forward_packed(
-    model: Transformer, batch: PackedBatch, head: HeadRequest | None = None, buckets: bool = False
+    model: Transformer, batch: PackedBatch, head_rows: torch.Tensor | None = None, buckets: bool = False
 ) -> ModelOutput:
     """The model's output (B, T-1, ...) for a packed batch (moved to the model's device); each
-    shared prompt is computed once when the batch was packed with share_prompts. `head`: the
-    LM head at those flat (B, T-1) positions only (the output's token_logprobs, no logits).
-    `buckets`: rows run in length buckets, not all padded to the longest (`length_buckets`)."""
+    shared prompt is computed once when the batch was packed with share_prompts. `head_rows`: the
+    final hidden rows at those flat (B, T-1) positions only (the output's head_hidden, no logits).
+    `buckets`: rows run in length buckets, not all padded to the longest (`length_buckets`), their
+    tokens embedded in one call (one embedding backward, not one a bucket)."""
     device = model.lm_head.weight.device
     if batch.input_ids.device != device:
         batch = batch.to(device)
     overhead = overhead_tokens(sum(p.numel() for p in model.parameters())) if buckets else None
     if batch.shared is not None:
-        return shared_prompt_forward(model, batch.shared, head, overhead)
+        return shared_prompt_forward(model, batch.shared, head_rows, overhead)
+    embeds = None if overhead is None else model.embed_for_forwards(batch.input_ids)
 
-    def rows_of(rows: torch.Tensor | slice, length: int, part_head: HeadRequest | None) -> ModelOutput:
+    def rows_of(rows: torch.Tensor | slice, length: int, part_rows: torch.Tensor | None) -> ModelOutput:
         pixel_values, grid = None, None
         if batch.images is not None:  # these rows' images, in row order (read before the rows move)
             picked = batch.images if isinstance(rows, slice) else [batch.images[r] for r in rows.tolist()]
@@ -112,13 +120,14 @@ def forward_packed(
         forced = None if batch.forced_experts is None else batch.forced_experts[rows, :length]
         return model(
             batch.input_ids[rows, :length], attention_mask=batch.attention_mask[rows, :length],
-            forced_experts=forced, head=part_head, pixel_values=pixel_values, image_grid_thw=grid,
+            forced_experts=forced, head_rows=part_rows, pixel_values=pixel_values, image_grid_thw=grid,
+            inputs_embeds=None if embeds is None else take_rows(embeds, rows)[:, :length],
         )  # fmt: skip
 
     width = batch.input_ids.shape[1]
     if overhead is None:
-        return rows_of(slice(None), width, head)
-    return bucketed_forward(rows_of, batch.attention_mask.sum(1).tolist(), width, head, overhead)
+        return rows_of(slice(None), width, head_rows)
+    return bucketed_forward(rows_of, batch.attention_mask.sum(1).tolist(), width, head_rows, overhead)
 
 
 @dataclass
@@ -151,9 +160,9 @@ def forward_logprobs(
         out = forward_packed(model, batch, buckets=buckets)
         flat = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, rows)
         logp, ent = token_logprobs(flat, targets, temperature), entropy(flat)
-    else:
-        out = forward_packed(model, batch, HeadRequest(rows, targets, temperature, head_logprobs), buckets)
-        logp, ent = out.token_logprobs, out.token_entropy
+    else:  # the LM head once, on every response row of every forward
+        out = forward_packed(model, batch, rows, buckets)
+        logp, ent = head_logprobs(model.lm_head, out.head_hidden, targets, temperature)
     return TokenOutputs(
         scatter(logp, rows, batch.targets), scatter(ent, rows, batch.targets), out.logits, out
     )

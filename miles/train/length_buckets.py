@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from miles.models.transformer import HeadRequest, ModelOutput
+from miles.models.transformer import ModelOutput
 
 # one forward call's fixed cost in FLOPs' worth (Python, launches): about a millisecond a layer
 FORWARD_OVERHEAD_FLOPS = 3e9
@@ -54,26 +54,26 @@ def plan_buckets(lengths: Sequence[int], overhead: int) -> list[list[int]]:
     return buckets[::-1]
 
 
-Call = Callable[[torch.Tensor, int, HeadRequest | None], ModelOutput]
+Call = Callable[[torch.Tensor, int, torch.Tensor | None], ModelOutput]
 
 
 def bucketed_forward(
-    call: Call, lengths: Sequence[int], width: int, head: HeadRequest | None, overhead: int
+    call: Call, lengths: Sequence[int], width: int, head_rows: torch.Tensor | None, overhead: int
 ) -> ModelOutput:
-    """The padded forward's output (rows x `width`) from one `call(rows, length, head)` per
-    bucket, which runs those rows cut to `length` columns, with `head`'s positions restated in
-    that bucket's own layout (flat local_row * length + t). Logits, router logits and routed
-    experts come back padded to `width` (zeros past each row's bucket), token log-probs and
-    entropies in `head`'s order."""
+    """The padded forward's output (rows x `width`) from one `call(rows, length, head_rows)` per
+    bucket, which runs those rows cut to `length` columns, with `head_rows` (flat positions of the
+    padded layout) restated in that bucket's own layout (flat local_row * length + t). Logits,
+    router logits and routed experts come back padded to `width` (zeros past each row's bucket),
+    the hidden rows of `head_rows` in its order."""
     buckets = plan_buckets(lengths, overhead)
     bucket_of = torch.empty(len(lengths), dtype=torch.long)  # each row's bucket, and its place in it
     place = torch.empty(len(lengths), dtype=torch.long)
     for k, bucket in enumerate(buckets):
         bucket_of[bucket] = k
         place[bucket] = torch.arange(len(bucket))
-    if head is not None:
-        device = head.rows.device
-        row_of, col = head.rows // width, head.rows % width
+    if head_rows is not None:
+        device = head_rows.device
+        row_of, col = head_rows // width, head_rows % width
         head_bucket, head_place = bucket_of.to(device)[row_of], place.to(device)[row_of]
     outs, head_order = [], []
     slot = torch.full((len(lengths) * width,), -1, dtype=torch.long)  # padded position -> table row
@@ -85,12 +85,12 @@ def bucketed_forward(
             offset + torch.arange(len(bucket))[:, None] * length + torch.arange(length)
         )
         offset += len(bucket) * length
-        sub_head = None
-        if head is not None:
+        sub_rows = None
+        if head_rows is not None:
             picked = (head_bucket == k).nonzero().squeeze(1)
             head_order.append(picked)
-            sub_head = head.part(picked, head_place[picked] * length + col[picked])
-        outs.append(call(rows, length, sub_head))
+            sub_rows = head_place[picked] * length + col[picked]
+        outs.append(call(rows, length, sub_rows))
     slot = torch.where(slot < 0, offset, slot)  # padding reads an appended zero row
 
     def padded(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -103,11 +103,8 @@ def bucketed_forward(
     logits = None if first.logits is None else padded([o.logits for o in outs])
     router = [padded([o.router_logits[k] for o in outs]) for k in range(len(first.router_logits))]
     routed = None if first.routed_experts is None else padded([o.routed_experts for o in outs])
-    if head is None:
-        return ModelOutput(logits, router, routed)
-    logp = in_order([o.token_logprobs for o in outs], head_order)
-    ent = in_order([o.token_entropy for o in outs], head_order)
-    return ModelOutput(logits, router, routed, token_logprobs=logp, token_entropy=ent)
+    hidden = None if head_rows is None else in_order([o.head_hidden for o in outs], head_order)
+    return ModelOutput(logits, router, routed, head_hidden=hidden)
 
 
 def in_order(parts: list[torch.Tensor], picks: list[torch.Tensor]) -> torch.Tensor:

@@ -151,6 +151,11 @@ def auto_batch_for(cfg: RunConfig, model: Transformer, host_optimizer: bool) -> 
     return AutoBatch(budget, floor_tokens=1)
 
 
+def fused_adam_runs(params: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes these parameters (floating point, on CPU or CUDA)."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+
+
 class PolicyTrainer:
     def __init__(
         self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None, world: int = 1
@@ -166,12 +171,16 @@ class PolicyTrainer:
             log.info(
                 "--optimizer-cpu-offload: training runs on CPU, its optimizer state is in host memory already"
             )
-        self.optimizer = (HostAdamW if host else torch.optim.AdamW)(
-            [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters only
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        options = dict(
             lr=train_cfg.lr,
             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
             weight_decay=train_cfg.weight_decay,
         )
+        if host:
+            self.optimizer = HostAdamW(trainable, **options)
+        else:  # one kernel a tensor instead of about ten passes over the weights (a third of the time)
+            self.optimizer = torch.optim.AdamW(trainable, fused=fused_adam_runs(trainable), **options)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.ref_model = None
         # with LoRA the reference is the base: the policy with its adapters switched off, no copy

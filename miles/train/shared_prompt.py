@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from miles.data.sample import Sample
-from miles.models.transformer import HeadRequest, ModelOutput, Prefix, Transformer
+from miles.models.transformer import ModelOutput, Prefix, Transformer
 from miles.train.length_buckets import bucketed_forward, in_order
 
 
@@ -51,79 +51,94 @@ def _routed(s: Sample) -> np.ndarray:
 
 def plan_shared_prompts(samples: Sequence[Sample], replay_routing: bool) -> SharedPrompts | None:
     """The shared-prompt layout of `samples`, or None when no two samples share a prompt."""
+    routed = [_routed(s) for s in samples] if replay_routing else None
     keys: dict[bytes, int] = {}
     rows, firsts = [], []
-    for s in samples:
+    for b, s in enumerate(samples):
         p = s.prompt_length
         key = np.asarray(s.tokens[:p], dtype=np.int64).tobytes()
-        if replay_routing:
-            key += _routed(s)[:p].tobytes()
+        if routed is not None:
+            key += routed[b][:p].tobytes()
         if key not in keys:
             keys[key] = len(firsts)
-            firsts.append(s)
+            firsts.append(b)
         rows.append(keys[key])
     if len(firsts) == len(samples):
         return None
     B, P = len(samples), len(firsts)
-    S = max(s.prompt_length for s in firsts)
-    R = max(1, max(len(s.tokens) - 1 - s.prompt_length for s in samples))
-    T = max(len(s.tokens) for s in samples)
-    prompt_ids = torch.zeros(P, S, dtype=torch.long)
-    prompt_mask = torch.zeros(P, S, dtype=torch.bool)
-    for i, s in enumerate(firsts):
-        prompt_ids[i, : s.prompt_length] = torch.tensor(s.tokens[: s.prompt_length])
-        prompt_mask[i, : s.prompt_length] = True
-    resp_ids = torch.zeros(B, R, dtype=torch.long)
-    resp_mask = torch.zeros(B, R, dtype=torch.bool)
-    resp_positions = torch.zeros(B, R, dtype=torch.long)
-    gather = torch.zeros(B, T - 1, dtype=torch.long)
+    rows = np.array(rows, dtype=np.int64)
+    plen = np.array([s.prompt_length for s in samples], dtype=np.int64)
+    prompt_lens = plen[firsts]
+    n_resp = np.array([len(s.tokens) - 1 for s in samples], dtype=np.int64) - plen  # response inputs
+    S = int(prompt_lens.max())
+    R = max(1, int(n_resp.max()))
+    T = int((plen + n_resp).max()) + 1
+    prompt_ids = np.zeros((P, S), dtype=np.int64)
+    for i, b in enumerate(firsts):
+        prompt_ids[i, : prompt_lens[i]] = samples[b].tokens[: prompt_lens[i]]
+    prompt_mask = np.arange(S)[None, :] < prompt_lens[:, None]
+    resp_ids = np.zeros((B, R), dtype=np.int64)
     for b, s in enumerate(samples):
-        p, n = s.prompt_length, len(s.tokens) - 1 - s.prompt_length  # response inputs
-        resp_ids[b, :n] = torch.tensor(s.tokens[p : p + n], dtype=torch.long)
-        resp_mask[b, :n] = True
-        resp_positions[b] = p + torch.arange(R)
-        gather[b, :p] = rows[b] * S + torch.arange(p)
-        gather[b, p : p + n] = P * S + b * R + torch.arange(n)
+        resp_ids[b, : n_resp[b]] = s.tokens[plen[b] : plen[b] + n_resp[b]]
+    resp_mask = np.arange(R)[None, :] < n_resp[:, None]
+    resp_positions = plen[:, None] + np.arange(R)[None, :]
+    # full-layout position t of row b: its prompt's row at t < p, then its response slots
+    t = np.arange(T - 1)[None, :]
+    in_prompt = t < plen[:, None]
+    gather = np.where(in_prompt, rows[:, None] * S + t, P * S + np.arange(B)[:, None] * R + t - plen[:, None])
+    gather = np.where(in_prompt | (t < (plen + n_resp)[:, None]), gather, 0)
     prompt_forced = resp_forced = None
-    if replay_routing:
-        L, K = _routed(samples[0]).shape[1:]
-        prompt_forced = torch.full((P, S, L, K), -1, dtype=torch.long)
-        resp_forced = torch.full((B, R, L, K), -1, dtype=torch.long)
-        for i, s in enumerate(firsts):
-            prompt_forced[i, : s.prompt_length] = torch.from_numpy(_routed(s)[: s.prompt_length])
-        for b, s in enumerate(samples):
-            part = _routed(s)[s.prompt_length : len(s.tokens) - 1]
-            resp_forced[b, : len(part)] = torch.from_numpy(part)
+    if routed is not None:
+        L, K = routed[0].shape[1:]
+        prompt_forced = np.full((P, S, L, K), -1, dtype=np.int64)
+        resp_forced = np.full((B, R, L, K), -1, dtype=np.int64)
+        for i, b in enumerate(firsts):
+            prompt_forced[i, : plen[b]] = routed[b][: plen[b]]
+        for b in range(B):
+            part = routed[b][plen[b] : plen[b] + n_resp[b]]
+            resp_forced[b, : len(part)] = part
+        prompt_forced, resp_forced = torch.from_numpy(prompt_forced), torch.from_numpy(resp_forced)
+    t = torch.from_numpy
     return SharedPrompts(
-        prompt_ids, prompt_mask, prompt_forced, resp_ids, resp_mask, resp_positions, resp_forced,
-        torch.tensor(rows), gather,
+        t(prompt_ids), t(prompt_mask), prompt_forced, t(resp_ids), t(resp_mask), t(resp_positions), resp_forced,
+        t(rows), t(gather),
     )  # fmt: skip
 
 
 def shared_prompt_forward(
-    model: Transformer, plan: SharedPrompts, head: HeadRequest | None = None, overhead: int | None = None
+    model: Transformer,
+    plan: SharedPrompts,
+    head_rows: torch.Tensor | None = None,
+    overhead: int | None = None,
 ) -> ModelOutput:
     """The full forward's outputs (logits, router logits, routed experts) in its padded layout,
-    computed with each prompt once. `head` (flat positions of the padded layout): the LM head
-    only there, in whichever pass computed each position (a response's first target is predicted
-    from its prompt's last token), and token_logprobs in `head`'s order instead of logits.
-    `overhead`: run the responses in length buckets (`length_buckets`) at that price per forward."""
+    computed with each prompt once. `head_rows` (flat positions of the padded layout): the final
+    hidden rows there, from whichever pass computed each position (a response's first target is
+    predicted from its prompt's last token), in `head_rows`' order instead of logits.
+    `overhead`: run the responses in length buckets (`length_buckets`) at that price per forward.
+    Every token is embedded in one call, so the embedding's backward runs once."""
     split = plan.prompt_ids.numel()
-    first_head = rest_head = None
-    if head is not None:
-        table_rows = plan.gather.reshape(-1).index_select(0, head.rows)
+    first_rows = rest_rows = None
+    if head_rows is not None:
+        table_rows = plan.gather.reshape(-1).index_select(0, head_rows)
         in_first = table_rows < split
-        first_head = head.part(in_first, table_rows[in_first])
-        rest_head = head.part(~in_first, table_rows[~in_first] - split)
+        first_rows, rest_rows = table_rows[in_first], table_rows[~in_first] - split
+    prompt_embeds = resp_embeds = None
+    embeds = model.embed_for_forwards(torch.cat([plan.prompt_ids.reshape(-1), plan.resp_ids.reshape(-1)]))
+    if embeds is not None:
+        prompt_embeds, resp_embeds = embeds.split([split, plan.resp_ids.numel()])
+        prompt_embeds = prompt_embeds.view(*plan.prompt_ids.shape, -1)
+        resp_embeds = resp_embeds.view(*plan.resp_ids.shape, -1)
     first = model(
         plan.prompt_ids,
         attention_mask=plan.prompt_mask,
         forced_experts=plan.prompt_forced,
         collect_kv=True,
-        head=first_head,
+        head_rows=first_rows,
+        inputs_embeds=prompt_embeds,
     )
 
-    def responses(rows: torch.Tensor | slice, length: int, part_head: HeadRequest | None) -> ModelOutput:
+    def responses(rows: torch.Tensor | slice, length: int, part_rows: torch.Tensor | None) -> ModelOutput:
         if isinstance(rows, torch.Tensor):
             rows = rows.to(plan.resp_ids.device)
         forced = None if plan.resp_forced is None else plan.resp_forced[rows, :length]
@@ -133,15 +148,16 @@ def shared_prompt_forward(
             positions=plan.resp_positions[rows, :length],
             forced_experts=forced,
             prefix=Prefix(first.kv, plan.rows[rows], plan.prompt_mask),
-            head=part_head,
+            head_rows=part_rows,
+            inputs_embeds=None if resp_embeds is None else take_rows(resp_embeds, rows)[:, :length],
         )
 
     width = plan.resp_ids.shape[1]
     if overhead is None:
-        rest = responses(slice(None), width, rest_head)
+        rest = responses(slice(None), width, rest_rows)
     else:
         lengths = plan.resp_mask.sum(1).tolist()
-        rest = bucketed_forward(responses, lengths, width, rest_head, overhead)
+        rest = bucketed_forward(responses, lengths, width, rest_rows, overhead)
 
     def full(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         table = torch.cat([a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:])])
@@ -152,9 +168,14 @@ def shared_prompt_forward(
     if first.routed_experts is not None:
         routed = full(first.routed_experts, rest.routed_experts)
     router_logits = [full(a, b) for a, b in zip(first.router_logits, rest.router_logits)]
-    if head is None:
+    if head_rows is None:
         return ModelOutput(full(first.logits, rest.logits), router_logits, routed)
     picks = [in_first.nonzero().squeeze(1), (~in_first).nonzero().squeeze(1)]
-    logp = in_order([first.token_logprobs, rest.token_logprobs], picks)
-    ent = in_order([first.token_entropy, rest.token_entropy], picks)
-    return ModelOutput(None, router_logits, routed, token_logprobs=logp, token_entropy=ent)
+    hidden = in_order([first.head_hidden, rest.head_hidden], picks)
+    return ModelOutput(None, router_logits, routed, head_hidden=hidden)
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """`t[rows]`, through index_select for a tensor of rows (its backward is an index_add, much
+    faster on CPU than advanced indexing's)."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
