@@ -128,9 +128,10 @@ def time_miles(setup: Setup, steps: int) -> list[float]:
     ]  # fmt: skip
     train(load_config(argv))
     rows = [r for r in read_metrics(out) if "step_time" in r][1:]
-    if os.environ.get("MILES_BENCH_PARTS"):
-        for k in ("rollout_time", "train_time", "step_time"):
-            print(k, statistics.median(r[k] for r in rows))
+    parts = ", ".join(
+        f"{k} {statistics.median(r[k] for r in rows):.2f} s" for k in ("rollout_time", "train_time")
+    )
+    print(f"miles, median of {len(rows)} steps: {parts}")
     return [r["step_time"] for r in rows]
 
 

@@ -369,8 +369,11 @@ def test_delta_sync_in_miles_train(ray_cluster, tmp_path, local_run, transport):
     got = read_metrics(tmp_path / "run")
     assert_same_run(local_run(4), got)
     synced = [r for r in got if "sync_changed_fraction" in r]
-    # by broadcast, the sync that finds the killed engine's peer gone goes by the object store (full)
-    assert len(synced) == (4 if transport == "object-store" else 3) and all(
+    # by broadcast, a sync that finds the killed engine's peer gone goes by the object store (full,
+    # no changed fraction); whether the death shows at that sync or already in the rollout (the
+    # group then re-forms first and the delta goes by broadcast) depends on the machine's load
+    expected = (4,) if transport == "object-store" else (3, 4)
+    assert len(synced) in expected and all(
         0.5 < r["sync_changed_fraction"] <= 1.0 for r in synced
     )  # fp32: most change
     assert any(r.get("engine_restarts", 0) > 0 for r in got)

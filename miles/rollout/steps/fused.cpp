@@ -4,7 +4,7 @@
 // own experts), so with many tokens the sequences are split once over the threads and each
 // thread runs its own through every layer: one parallel region a call instead of a fork and join
 // per operator. With few tokens a thread, the threads work on every product together, each on
-// its share of the output panels (Team), so each weight is read once. The projections are GEMMs
+// its share of the outputs in 16-column units (Team), so each weight is read once. The projections are GEMMs
 // on weights transposed, (in, out), and packed in contiguous column panels of 64; a
 // register-blocked kernel of up to 4 rows x 64 outputs streams a panel once per 128 rows; each
 // MoE layer runs each chosen expert on the rows that chose it. A token's arithmetic never
@@ -194,46 +194,57 @@ inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t 
 }
 
 constexpr int64_t ROW_CHUNK = 128;  // rows per pass over B: that many rows of A stay in L2
+constexpr int64_t UNITS = PANEL / W;  // 16-column units of a panel
 
-// Panels [p0, p1) of C[R x N] = A[R x K] @ B (+ bias). B is the (in, out) weight packed in column
-// panels: panel p, columns [64p, min(64p + 64, N)), lies contiguous as K rows of its width, so
-// a panel is one sequential read of memory. Each panel is read once per ROW_CHUNK rows (once for
-// a decode step's rows) while the rows stream through it in blocks of 4.
+inline int64_t panels(int64_t N) { return (N + PANEL - 1) / PANEL; }
+inline int64_t units(int64_t N) { return (N + W - 1) / W; }
+
+// Units [u0, u1) of 16 columns (the last one N's final N % 16 columns) of C[R x N] = A[R x K] @ B
+// (+ bias). B is the (in, out) weight packed in column panels: panel p, columns [64p, min(64p + 64,
+// N)), lies contiguous as K rows of its width, so a panel is one sequential read of memory (a
+// share of its units, a strided one). Each panel is read once per ROW_CHUNK rows (once for a
+// decode step's rows) while the rows stream through it in blocks of 4. Splitting the threads by
+// units rather than panels keeps a 576-wide product even over two (9 panels would go 5/4).
 void gemm_range(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C,
-                int64_t p0, int64_t p1) {
+                int64_t u0, int64_t u1) {
+  if (u0 >= u1) return;
+  const int64_t p0 = u0 / UNITS, p1 = (u1 - 1) / UNITS + 1;
   for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
     const int64_t rows = std::min(ROW_CHUNK, R - r0);
     const float *a = A + r0 * K;
     float *c = C + r0 * N;
     for (int64_t p = p0; p < p1; p++) {
-      const int64_t n = p * PANEL, width = std::min(PANEL, N - n), full = width / W * W;
-      const float *b = B + K * n;
-      const float *next = p + 1 < p1 ? b + K * width : nullptr;
+      const int64_t n = p * PANEL, width = std::min(PANEL, N - n), full = width / W;
+      const int64_t j0 = p == p0 ? u0 % UNITS : 0, j1 = std::min(p == p1 - 1 ? u1 - p * UNITS : UNITS, units(width));
+      const float *b = B + K * n + j0 * W;
+      const float *next = p + 1 < p1 ? B + K * (n + width) : nullptr;
       const int64_t next_floats = next ? K * std::min(PANEL, N - n - width) : 0;
-      switch (full / W) {
-        case 4: panel<4>(rows, K, a, b, width, c + n, N, next, next_floats); break;
-        case 3: panel<3>(rows, K, a, b, width, c + n, N, next, next_floats); break;
-        case 2: panel<2>(rows, K, a, b, width, c + n, N, next, next_floats); break;
-        case 1: panel<1>(rows, K, a, b, width, c + n, N, next, next_floats); break;
+      float *cj = c + n + j0 * W;
+      switch (std::min(j1, full) - j0) {
+        case 4: panel<4>(rows, K, a, b, width, cj, N, next, next_floats); break;
+        case 3: panel<3>(rows, K, a, b, width, cj, N, next, next_floats); break;
+        case 2: panel<2>(rows, K, a, b, width, cj, N, next, next_floats); break;
+        case 1: panel<1>(rows, K, a, b, width, cj, N, next, next_floats); break;
         default: break;
       }
-      for (int64_t i = 0; i < rows; i++)  // the panel's last width % 16 outputs
-        for (int64_t m = full; m < width; m++) {
-          float sum = 0.f;
-          for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * b[k * width + m];
-          c[i * N + n + m] = sum;
-        }
+      if (j1 > full) {  // the panel's last width % 16 outputs
+        const float *bp = B + K * n;
+        for (int64_t i = 0; i < rows; i++)
+          for (int64_t m = full * W; m < width; m++) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; k++) sum += a[i * K + k] * bp[k * width + m];
+            c[i * N + n + m] = sum;
+          }
+      }
     }
   }
   if (bias)
     for (int64_t i = 0; i < R; i++)
-      for (int64_t m = p0 * PANEL; m < std::min(p1 * PANEL, N); m++) C[i * N + m] += bias[m];
+      for (int64_t m = u0 * W; m < std::min(u1 * W, N); m++) C[i * N + m] += bias[m];
 }
 
-inline int64_t panels(int64_t N) { return (N + PANEL - 1) / PANEL; }
-
 void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) {
-  gemm_range(R, K, N, A, B, bias, C, 0, panels(N));
+  gemm_range(R, K, N, A, B, bias, C, 0, units(N));
 }
 
 // The threads working on one set of tokens: one thread alone (each thread its own rows), or all
@@ -249,7 +260,7 @@ struct Team {
     }
   }
   void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) const {
-    if (R > 0) gemm_range(R, K, N, A, B, bias, C, begin(panels(N)), end(panels(N)));
+    if (R > 0) gemm_range(R, K, N, A, B, bias, C, begin(units(N)), end(units(N)));
     sync();
   }
 };
@@ -677,7 +688,7 @@ void miles_fused_gemm_list(int64_t count, const int64_t *R, const int64_t *K, co
     for (int64_t i = 0; i < count; i++) {
       const float *a = reinterpret_cast<const float *>(A[i]), *b = reinterpret_cast<const float *>(B[i]);
       float *c = reinterpret_cast<float *>(C[i]);
-      if (columns) {  // each thread its share of the panels, all rows (as a team does)
+      if (columns) {  // each thread its share of the output units, all rows (as a team does)
         Team{t, T}.gemm(R[i], K[i], N[i], a, b, nullptr, c);
       } else {  // each thread its share of the rows, all panels
         const int64_t first = R[i] * t / T, rows = R[i] * (t + 1) / T - first;

@@ -5,8 +5,8 @@ operators of a few microseconds each, and each one forks and joins the thread po
 (docs/performance.md). Every row's step is independent of the other
 rows' (its own KV-cache slot, its own experts), so `fused.cpp` splits the rows over the
 threads once and runs each thread's rows through the whole model: one parallel region a step.
-With few rows a thread (SmolLM2 at batch 1 or 16) the threads share each product by output
-panels instead, so every weight is read once a step. The projections are register-blocked GEMMs
+With few rows a thread (SmolLM2 at batch 1 or 16) the threads share each product by 16-column
+units of its output instead, so every weight is read once a step. The projections are register-blocked GEMMs
 on weights transposed and packed once into contiguous column panels (`pack_panels`); each MoE
 layer runs each chosen expert on the rows that chose it; a prefill is the same call on
 sequences of many tokens.
