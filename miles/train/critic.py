@@ -29,6 +29,7 @@ from miles.config.schema import RunConfig
 from miles.data.sample import Sample
 from miles.models.transformer import Transformer
 from miles.train.batch import forward_packed, pack_samples
+from miles.train.optimizer import adamw
 
 
 def value_model(policy: Transformer, critic_model: str | None, seed: int) -> Transformer:
@@ -74,7 +75,7 @@ class Critic:
         algo, train_cfg = cfg.algo, cfg.train
         self.model, self.cfg = model, cfg
         self.lr = algo.critic_lr or train_cfg.lr
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             model.parameters(), lr=self.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2)
         )
         warmup = algo.critic_lr_warmup_steps

@@ -44,6 +44,7 @@ from miles.train.batch import (
 from miles.train.host_optimizer import HostAdamW
 from miles.train.micro_batches import fixed_micro_batches, split_to_count, token_micro_batches
 from miles.train.moe_stats import LoadAccumulator, load_balancing_loss, router_entropy_sum, routing_counts
+from miles.train.optimizer import adamw
 
 log = logging.getLogger("miles")
 
@@ -151,11 +152,6 @@ def auto_batch_for(cfg: RunConfig, model: Transformer, host_optimizer: bool) -> 
     return AutoBatch(budget, floor_tokens=1)
 
 
-def fused_adam_runs(params: Sequence[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these parameters (floating point, on CPU or CUDA)."""
-    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-
-
 class PolicyTrainer:
     def __init__(
         self, model: Transformer, cfg: RunConfig, ref_model: Transformer | None = None, world: int = 1
@@ -179,8 +175,8 @@ class PolicyTrainer:
         )
         if host:
             self.optimizer = HostAdamW(trainable, **options)
-        else:  # one kernel a tensor instead of about ten passes over the weights (a third of the time)
-            self.optimizer = torch.optim.AdamW(trainable, fused=fused_adam_runs(trainable), **options)
+        else:
+            self.optimizer = adamw(trainable, **options)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.ref_model = None
         # with LoRA the reference is the base: the policy with its adapters switched off, no copy
