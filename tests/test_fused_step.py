@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from miles.errors import MilesError
 from miles.models.routing import RoutingOptions, apply_routing
+from miles.quant.convert import to_int4
+from miles.quant.int4_linear import Int4Linear
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.steps import fused as fused_step
 from miles.rollout.steps.fused import FusedStep, fused_unsupported, library, pack_panels
@@ -331,3 +333,75 @@ def test_a_token_id_outside_the_vocabulary_is_a_clear_error():
         engine.add_request(Request([5, 97], SamplingParams(max_new_tokens=2)))
     with pytest.raises(ValueError, match=r"\[0, 97\)"):
         FusedStep(model).decode(torch.tensor([[3], [-1]]), torch.tensor([[0], [0]]), model.new_cache(2, 8))
+
+
+def int4_pair(arch: str, group: int, seed: int):
+    """(a model whose projections are INT4 engine layers, the same model in plain fp32 with each
+    projection's weight on the INT4 grid: what the INT4 layers multiply by)."""
+    model = random_model(arch, seed=seed)
+    grid = copy.deepcopy(model)
+    to_int4(model, group, store_packed=True)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, Int4Linear):
+                grid.get_submodule(name).weight.copy_(module.dequantized_weight())
+    return model, grid
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "qwen2_moe"])
+def test_an_int4_step_is_the_fp32_step_on_its_grid_weights_bit_for_bit(arch, split):
+    """The INT4 engine's packed codes go into the fused step as codes (a quarter of the bytes of
+    an fp32 weight, dequantized in L1 run by run): a step and a prefill give the fp32 step's bits
+    on the dequantized weights (the same products summed in the same order), its cache writes
+    and its experts; and within fp32 rounding of the INT4 model's general forward. Group 16
+    against runs of 64 rows, 7 rows (a 4-row block and a remainder), panels of 64 and not."""
+    model, grid = int4_pair(arch, group=16, seed=7)
+    assert fused_unsupported(model) is None
+    slots, max_len = 7, 24
+    ids = torch.randint(0, model.config.vocab_size, (slots,), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([0, 5, 23, 11, 2, 17, 9])
+    caches = [filled_cache(model, slots, max_len, 0) for _ in range(3)]
+    int4, fp32 = (
+        FusedStep(m, threads=2, wide_below=SPLITS[split]).decode(ids[:, None], positions[:, None], c)
+        for m, c in ((model, caches[0]), (grid, caches[1]))
+    )
+    assert torch.equal(int4.logits, fp32.logits)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values)
+    )
+    if model.config.is_moe:
+        assert torch.equal(int4.routed_experts, fp32.routed_experts)
+    with torch.no_grad():
+        want = model(ids[:, None], positions=positions[:, None], cache=caches[2], cache_rows=slice(0, slots))
+    assert torch.allclose(int4.logits, want.logits, atol=2e-5, rtol=1e-5)
+    prompts, lengths = (
+        torch.randint(3, 90, (3, 9), generator=torch.Generator().manual_seed(4)),
+        torch.tensor([9, 4, 6]),
+    )
+    a, b = (
+        FusedStep(m, threads=2, wide_below=SPLITS[split]).prefill(
+            prompts, lengths, torch.arange(3), m.new_cache(3, 16)
+        )
+        for m in (model, grid)
+    )
+    assert torch.equal(a.logits, b.logits)
+
+
+def test_int4_engines_choose_the_fused_step_unless_bf16_activations_are_asked_for():
+    """An INT4 engine (fp32 activations) decodes on the fused step with the general forward's
+    tokens; one asked for bf16 activations keeps torch's INT4 kernel and says why."""
+    model, _ = int4_pair("qwen3", group=16, seed=2)
+    fused = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=48, seed=0)
+    general = Engine(model, max_batch_size=4, max_seq_len=48, seed=0, decode_step="general")
+    assert fused.decode_step.name == "fused"
+    got, want = fused.generate(requests(5)), general.generate(requests(5))
+    for a, b in zip(got, want):
+        assert a.tokens == b.tokens
+        assert max(abs(x - y) for x, y in zip(a.rollout_log_probs, b.rollout_log_probs)) < 1e-5
+    bf16 = random_model("qwen3", seed=2)
+    to_int4(bf16, 32, store_packed=True, activations="bf16")  # a group size torch's kernel takes
+    if any(m.kernel for m in bf16.modules() if isinstance(m, Int4Linear)):  # a torch build with the kernel
+        engine = Engine(bf16, max_batch_size=2, max_seq_len=32)
+        assert engine.decode_step.name == "general" and "bf16 activations" in engine.decode_path

@@ -22,6 +22,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 extern "C" {
 
@@ -33,22 +36,32 @@ struct FusedConfig {
   double eps;
 };
 
-// The projections are (in, out) weights packed in column panels (gemm_range); shapes below.
+// A projection's (in, out) weight packed in column panels (gemm_range): fp32 (group 0), or
+// INT4 codes (group G > 0): panel p's K rows of width / 2 bytes, in each 16-column unit's 8
+// bytes byte b holding column b's code + 8 in its low nibble and column b + 8's in its high
+// one; scales (K / G, out) packed in fp32 panels the same way; the weight is code * scale.
+struct FusedWeight {
+  const void *data;
+  const float *scales;
+  int64_t group;
+};
+
+// Shapes below (in, out).
 struct FusedLayer {
   const float *in_norm, *post_norm;  // (hidden)
-  const float *qkv;                  // (hidden, (H + 2KV) * D): q, k, v projections side by side
+  FusedWeight qkv;                   // (hidden, (H + 2KV) * D): q, k, v projections side by side
   const float *qkv_bias;             // ((H + 2KV) * D) or null
   const float *q_norm, *k_norm;      // (D) or null (Qwen3's per-head RMSNorm)
-  const float *o;                    // (H * D, hidden)
+  FusedWeight o;                     // (H * D, hidden)
   const float *o_bias;               // (hidden) or null
-  const float *router;               // (hidden, E); null: a dense MLP
-  const float *gate_up;              // MoE E x (hidden, 2I), one after another; dense (hidden, 2I): gate then up
-  const float *down;                 // MoE E x (I, hidden); dense (I, hidden)
+  const float *router;               // (hidden, E) fp32; null: a dense MLP
+  FusedWeight gate_up;               // MoE E x (hidden, 2I), one after another; dense (hidden, 2I): gate then up
+  FusedWeight down;                  // MoE E x (I, hidden); dense (I, hidden)
   float *keys, *values;              // this layer's cache, (slots, KV, max_len, D)
   int64_t inner;                     // I: the (expert) MLP's intermediate size
-  const float *shared_gate_up;       // (hidden, 2Is) or null: Qwen2-MoE's shared expert
-  const float *shared_down;          // (Is, hidden)
-  const float *shared_gate;          // (hidden, 1): its sigmoid gate
+  FusedWeight shared_gate_up;        // (hidden, 2Is) or null data: Qwen2-MoE's shared expert
+  FusedWeight shared_down;           // (Is, hidden)
+  const float *shared_gate;          // (hidden, 1) fp32: its sigmoid gate
   int64_t shared_inner;              // Is
 };
 
@@ -247,6 +260,99 @@ void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const
   gemm_range(R, K, N, A, B, bias, C, 0, units(N));
 }
 
+// 16 weights of one INT4 row: (stored code - 8) * scale, the product dequantize_int4 forms
+inline void dequant16(const uint8_t *bytes, const float *scale, float *out) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes)), low = _mm_set1_epi8(15);
+  const __m128i codes = _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  const __m512 q = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), _mm512_set1_ps(8.0f));
+  _mm512_storeu_ps(out, _mm512_mul_ps(q, _mm512_loadu_ps(scale)));
+#else
+  for (int m = 0; m < 8; m++) {
+    out[m] = (static_cast<float>(bytes[m] & 15) - 8.0f) * scale[m];
+    out[m + 8] = (static_cast<float>(bytes[m] >> 4) - 8.0f) * scale[m + 8];
+  }
+#endif
+}
+
+// panel() on an INT4 panel's NV units: each run of KC rows dequantized into `buf` (in L1), then
+// every row block through it. The fp32 weights are those dequantize_int4 gives, summed in the
+// fp32 panel's order: the product is the fp32 step's on the fake-quantized weight, bit for bit.
+template <int NV>
+inline void panel_int4(int64_t R, int64_t K, const float *A, const uint8_t *B, int64_t ldb, const float *S,
+                       int64_t lds, int64_t G, float *C, int64_t ldc, float *buf) {
+  if constexpr (NV > MAX_NV) {
+    panel_int4<MAX_NV>(R, K, A, B, ldb, S, lds, G, C, ldc, buf);
+    panel_int4<NV - MAX_NV>(R, K, A, B + MAX_NV * W / 2, ldb, S + MAX_NV * W, lds, G, C + MAX_NV * W, ldc, buf);
+  } else {
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t kc = std::min(KC, K - k0);
+      for (int64_t k = 0; k < kc; k++) {
+        const uint8_t *row = B + (k0 + k) * ldb;
+        __builtin_prefetch(row + PREFETCH_AHEAD * ldb, 0, 3);
+        const float *scale = S + (k0 + k) / G * lds;
+        for (int j = 0; j < NV; j++) dequant16(row + j * W / 2, scale + j * W, buf + (k * NV + j) * W);
+      }
+      for (int64_t r = 0; r < R; r += 4) {
+        switch (std::min<int64_t>(R - r, 4)) {
+          case 4: block<4, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
+          case 3: block<3, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
+          case 2: block<2, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
+          case 1: block<1, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
+          default: break;
+        }
+      }
+    }
+  }
+}
+
+// gemm_range on an INT4 weight (N a multiple of 16: every unit whole)
+void gemm_range_int4(int64_t R, int64_t K, int64_t N, const float *A, const FusedWeight &B, const float *bias,
+                     float *C, int64_t u0, int64_t u1) {
+  if (u0 >= u1) return;
+  alignas(64) static thread_local float buf[KC * PANEL];
+  const uint8_t *codes = static_cast<const uint8_t *>(B.data);
+  const int64_t p0 = u0 / UNITS, p1 = (u1 - 1) / UNITS + 1, groups = K / B.group;
+  for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
+    const int64_t rows = std::min(ROW_CHUNK, R - r0);
+    for (int64_t p = p0; p < p1; p++) {
+      const int64_t n = p * PANEL, width = std::min(PANEL, N - n);
+      const int64_t j0 = p == p0 ? u0 % UNITS : 0, j1 = std::min(p == p1 - 1 ? u1 - p * UNITS : UNITS, width / W);
+      const uint8_t *b = codes + K * n / 2 + j0 * W / 2;
+      const float *s = B.scales + groups * n + j0 * W;
+      float *c = C + r0 * N + n + j0 * W;
+      const float *a = A + r0 * K;
+      switch (j1 - j0) {
+        case 4: panel_int4<4>(rows, K, a, b, width / 2, s, width, B.group, c, N, buf); break;
+        case 3: panel_int4<3>(rows, K, a, b, width / 2, s, width, B.group, c, N, buf); break;
+        case 2: panel_int4<2>(rows, K, a, b, width / 2, s, width, B.group, c, N, buf); break;
+        case 1: panel_int4<1>(rows, K, a, b, width / 2, s, width, B.group, c, N, buf); break;
+        default: break;
+      }
+    }
+  }
+  if (bias)
+    for (int64_t i = 0; i < R; i++)
+      for (int64_t m = u0 * W; m < std::min(u1 * W, N); m++) C[i * N + m] += bias[m];
+}
+
+void gemm_range(int64_t R, int64_t K, int64_t N, const float *A, const FusedWeight &B, const float *bias, float *C,
+                int64_t u0, int64_t u1) {
+  if (B.group > 0)
+    gemm_range_int4(R, K, N, A, B, bias, C, u0, u1);
+  else
+    gemm_range(R, K, N, A, static_cast<const float *>(B.data), bias, C, u0, u1);
+}
+
+inline FusedWeight fp32(const float *B) { return {B, nullptr, 0}; }
+
+// expert e's (K, N) weight of E stacked one after another
+inline FusedWeight expert(const FusedWeight &B, int64_t e, int64_t K, int64_t N) {
+  if (B.group > 0)
+    return {static_cast<const uint8_t *>(B.data) + e * K * N / 2, B.scales + e * K / B.group * N, B.group};
+  return fp32(static_cast<const float *>(B.data) + e * K * N);
+}
+
 // The threads working on one set of tokens: one thread alone (each thread its own rows), or all
 // of them on every product, each its share of the output columns, meeting at a barrier after
 // each step that the next reads (few rows: every weight is then read once, not once a thread).
@@ -259,7 +365,7 @@ struct Team {
 #pragma omp barrier
     }
   }
-  void gemm(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C) const {
+  void gemm(int64_t R, int64_t K, int64_t N, const float *A, const FusedWeight &B, const float *bias, float *C) const {
     if (R > 0) gemm_range(R, K, N, A, B, bias, C, begin(units(N)), end(units(N)));
     sync();
   }
@@ -392,16 +498,18 @@ Attend attend_for(int64_t D) {
   }
 }
 
-inline void swiglu(int64_t rows, int64_t inner, const float *gu, float *act) {
+// act[r, i] = silu(gate) * up for columns [i0, i1) of `rows` rows (gu: gate then up, 2 * inner wide);
+// an element's arithmetic is the same whichever range it falls in (i0 a multiple of 16)
+inline void swiglu(int64_t rows, int64_t inner, int64_t i0, int64_t i1, const float *gu, float *act) {
   for (int64_t r = 0; r < rows; r++) {
     const float *g = gu + r * 2 * inner, *u = g + inner;
     float *a = act + r * inner;
-    int64_t i = 0;
-    for (; i + W <= inner; i += W) {
+    int64_t i = i0;
+    for (; i + W <= i1; i += W) {
       const vf gv = load(g + i);
       store(a + i, gv / (1.0f + exp_vec(-gv)) * load(u + i));
     }
-    for (; i < inner; i++) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (; i < i1; i++) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
 }
 
@@ -425,12 +533,16 @@ struct Tokens {
   const int64_t *starts, *slots;  // sequence s holds tokens [starts[s], starts[s + 1]) and cache slot slots[s]
   int64_t s0, s1, r0, R;
   Scratch &b;
-  std::vector<float> &h, &x, &qkv, &attn, &proj, &gu, &act, &gathered, &moe, &cos, &ssin;
+  // the residual stream and its normed copy: in a wide team each thread's own (mine(), every
+  // thread norming every row, so no barrier after a norm), else the share's
+  float *h, *x;
+  std::vector<float> &qkv, &attn, &proj, &gu, &act, &gathered, &moe, &cos, &ssin;
 
   Tokens(const FusedConfig &cfg, const int64_t *starts_, const int64_t *slots_, int64_t first, int64_t last,
          Scratch &scratch)
       : c(cfg), starts(starts_), slots(slots_), s0(first), s1(last), r0(starts_[first]),
-        R(starts_[last] - starts_[first]), b(scratch), h(grown(b.h, R * c.hidden)), x(grown(b.x, R * c.hidden)),
+        R(starts_[last] - starts_[first]), b(scratch), h(grown(b.h, R * c.hidden).data()),
+        x(grown(b.x, R * c.hidden).data()),
         qkv(grown(b.qkv, R * (c.heads + 2 * c.kv_heads) * c.head_dim)),
         attn(grown(b.attn, R * c.heads * c.head_dim)), proj(grown(b.proj, R * c.hidden)),
         gu(grown(b.gu, R * 2 * c.inner)), act(grown(b.act, R * c.inner)), gathered(grown(b.gathered, R * c.hidden)),
@@ -439,32 +551,42 @@ struct Tokens {
     grown(b.chosen, R * c.top_k), grown(b.gate, R);
   }
 
+  // this share seen by one thread of a wide team: the shared buffers, its own h and x
+  Tokens mine(Scratch &own) const {
+    Tokens view(*this);
+    view.h = grown(own.h, R * c.hidden).data(), view.x = grown(own.x, R * c.hidden).data();
+    return view;
+  }
+
   // every token's keys and values written at its position of its sequence's slot, then each
-  // token attends to positions [0, its own]: causal within a sequence of several tokens.
-  // `mine`: this thread's own buffers (scores)
+  // token attends to positions [0, its own]: causal within a sequence of several tokens. Both
+  // by (token, KV head) pairs: with one token a sequence a pair reads only the positions it
+  // wrote itself (now or in earlier calls), so only several tokens a sequence need a barrier
+  // between writing and attending. `mine`: this thread's own buffers (scores)
   void attention(const Team &team, const FusedLayer &L, const int64_t *positions, Scratch &mine) {
     const int64_t H = c.heads, KV = c.kv_heads, D = c.head_dim, G = H / KV, n = (H + 2 * KV) * D;
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     const Attend attend_d = attend_for(D);
     float *scores = grown(mine.scores, c.max_len * G).data(), *tmp = grown(mine.tmp, D).data();
-    for (int64_t s = s0; s < s1; s++)
-      for (int64_t row = std::max(starts[s], r0 + team.begin(R)); row < std::min(starts[s + 1], r0 + team.end(R));
-           row++) {
-        float *q = qkv.data() + (row - r0) * n, *k = q + H * D, *v = k + KV * D;
-        if (L.q_norm) {
-          for (int64_t hd = 0; hd < H; hd++) rms_norm(D, q + hd * D, L.q_norm, c.eps, q + hd * D);
-          for (int64_t hd = 0; hd < KV; hd++) rms_norm(D, k + hd * D, L.k_norm, c.eps, k + hd * D);
-        }
-        rope(H + KV, D, q, cos.data() + (row - r0) * D, ssin.data() + (row - r0) * D, tmp);
-        for (int64_t j = 0; j < KV; j++) {
-          const int64_t at = ((slots[s] * KV + j) * c.max_len + positions[row]) * D;
-          std::memcpy(L.keys + at, k + j * D, D * sizeof(float));
-          std::memcpy(L.values + at, v + j * D, D * sizeof(float));
-        }
+    const int64_t pairs = R * KV, p0 = team.begin(pairs), p1 = team.end(pairs);
+    for (int64_t s = s0, pair = p0; pair < p1; pair++) {  // this pair's q heads and k head, rotated and cached
+      const int64_t row = r0 + pair / KV, j = pair % KV;
+      while (starts[s + 1] <= row) s++;
+      float *q = qkv.data() + (row - r0) * n + j * G * D, *k = qkv.data() + (row - r0) * n + (H + j) * D;
+      const float *v = k + KV * D;
+      if (L.q_norm) {
+        for (int64_t hd = 0; hd < G; hd++) rms_norm(D, q + hd * D, L.q_norm, c.eps, q + hd * D);
+        rms_norm(D, k, L.k_norm, c.eps, k);
       }
-    team.sync();
-    const int64_t pairs = R * KV;  // (token, KV head) pairs, shared out over the team
-    for (int64_t s = s0, pair = team.begin(pairs); pair < team.end(pairs); pair++) {
+      const float *cs = cos.data() + (row - r0) * D, *sn = ssin.data() + (row - r0) * D;
+      rope(G, D, q, cs, sn, tmp);
+      rope(1, D, k, cs, sn, tmp);
+      const int64_t at = ((slots[s] * KV + j) * c.max_len + positions[row]) * D;
+      std::memcpy(L.keys + at, k, D * sizeof(float));
+      std::memcpy(L.values + at, v, D * sizeof(float));
+    }
+    if (R > s1 - s0) team.sync();
+    for (int64_t s = s0, pair = p0; pair < p1; pair++) {
       const int64_t row = r0 + pair / KV, j = pair % KV;
       while (starts[s + 1] <= row) s++;
       const int64_t base = (slots[s] * KV + j) * c.max_len * D;
@@ -480,7 +602,7 @@ struct Tokens {
     float *logits = b.router.data(), *weight = b.weight.data();
     int64_t *chosen = b.chosen.data();
     const int64_t i0 = team.begin(R), i1 = team.end(R);
-    gemm(i1 - i0, c.hidden, E, x.data() + i0 * c.hidden, L.router, nullptr, logits + i0 * E);
+    gemm(i1 - i0, c.hidden, E, x + i0 * c.hidden, L.router, nullptr, logits + i0 * E);
     for (int64_t i = i0; i < i1; i++) {
       float *l = logits + i * E;
       const float top = *std::max_element(l, l + E);
@@ -522,9 +644,9 @@ struct Tokens {
       const int64_t n = rows.size();
       if (n == 0) continue;
       for (int64_t j = team.begin(n); j < team.end(n); j++)
-        std::memcpy(gathered.data() + j * hid, x.data() + rows[j] * hid, hid * sizeof(float));
+        std::memcpy(gathered.data() + j * hid, x + rows[j] * hid, hid * sizeof(float));
       team.sync();
-      mlp(team, n, gathered.data(), L.gate_up + e * hid * 2 * I, L.down + e * I * hid, I);
+      mlp(team, n, gathered.data(), expert(L.gate_up, e, hid, 2 * I), expert(L.down, e, I, hid), I);
       for (int64_t j = team.begin(n); j < team.end(n); j++) {
         float *dst = moe.data() + rows[j] * hid;
         const float *src = proj.data() + j * hid, w = scale[j];
@@ -535,11 +657,24 @@ struct Tokens {
     }
   }
 
-  // proj[0, n) = down(silu(gate(a)) * up(a)) for rows a[0, n): a SwiGLU MLP of inner size I
-  void mlp(const Team &team, int64_t n, const float *a, const float *gate_up, const float *down, int64_t I) {
-    const int64_t hid = c.hidden, i0 = team.begin(n), i1 = team.end(n);
-    team.gemm(n, hid, 2 * I, a, gate_up, nullptr, gu.data());
-    swiglu(i1 - i0, I, gu.data() + i0 * 2 * I, act.data() + i0 * I);
+  // proj[0, n) = down(silu(gate(a)) * up(a)) for rows a[0, n): a SwiGLU MLP of inner size I.
+  // With I a multiple of 16 each thread computes the gate and up columns of the same units and
+  // their SwiGLU (one barrier, before down); else the rows' SwiGLU after a barrier.
+  void mlp(const Team &team, int64_t n, const float *a, const FusedWeight &gate_up, const FusedWeight &down,
+           int64_t I) {
+    const int64_t hid = c.hidden;
+    if (I % W == 0) {
+      const int64_t u = I / W, u0 = team.begin(u), u1 = team.end(u);
+      if (n > 0) {
+        gemm_range(n, hid, 2 * I, a, gate_up, nullptr, gu.data(), u0, u1);
+        gemm_range(n, hid, 2 * I, a, gate_up, nullptr, gu.data(), u + u0, u + u1);
+      }
+      swiglu(n, I, u0 * W, u1 * W, gu.data(), act.data());
+    } else {
+      const int64_t i0 = team.begin(n), i1 = team.end(n);
+      team.gemm(n, hid, 2 * I, a, gate_up, nullptr, gu.data());
+      swiglu(i1 - i0, I, 0, I, gu.data() + i0 * 2 * I, act.data() + i0 * I);
+    }
     team.sync();
     team.gemm(n, I, hid, act.data(), down, nullptr, proj.data());
   }
@@ -548,8 +683,8 @@ struct Tokens {
   void shared_expert(const Team &team, const FusedLayer &L) {
     const int64_t hid = c.hidden, i0 = team.begin(R), i1 = team.end(R);
     float *gate = b.gate.data();
-    mlp(team, R, x.data(), L.shared_gate_up, L.shared_down, L.shared_inner);
-    gemm(i1 - i0, hid, 1, x.data() + i0 * hid, L.shared_gate, nullptr, gate + i0);
+    mlp(team, R, x, L.shared_gate_up, L.shared_down, L.shared_inner);
+    gemm(i1 - i0, hid, 1, x + i0 * hid, L.shared_gate, nullptr, gate + i0);
     for (int64_t i = i0; i < i1; i++) {
       const float g = 1.0f / (1.0f + std::exp(-gate[i]));
       for (int64_t m = 0; m < hid; m++) moe[i * hid + m] += g * proj[i * hid + m];
@@ -570,15 +705,14 @@ struct Tokens {
       }
   }
 
-  // rows of the team's share: h += add (unless null), then x = RMSNorm(h)
-  void residual_norm(const Team &team, const float *add, const float *weight) {
+  // every row: h += add (unless null), then x = RMSNorm(h), into this thread's own h and x
+  void residual_norm(const float *add, const float *weight) {
     const int64_t hid = c.hidden;
-    for (int64_t i = team.begin(R); i < team.end(R); i++) {
+    for (int64_t i = 0; i < R; i++) {
       if (add)
         for (int64_t m = i * hid; m < (i + 1) * hid; m++) h[m] += add[m];
-      rms_norm(hid, h.data() + i * hid, weight, c.eps, x.data() + i * hid);
+      rms_norm(hid, h + i * hid, weight, c.eps, x + i * hid);
     }
-    team.sync();
   }
 
   void run(const Team &team, Scratch &mine, const FusedLayer *layers, const int64_t *ids,
@@ -586,48 +720,44 @@ struct Tokens {
            const float *lm_head, float *logits, int64_t *routed, float *hidden) {
     const int64_t hid = c.hidden, n = (c.heads + 2 * c.kv_heads) * c.head_dim;
     rotary(team, positions, inv_freq);
-    for (int64_t i = team.begin(R); i < team.end(R); i++)
-      std::memcpy(h.data() + i * hid, embed + ids[r0 + i] * hid, hid * sizeof(float));
+    for (int64_t i = 0; i < R; i++) std::memcpy(h + i * hid, embed + ids[r0 + i] * hid, hid * sizeof(float));
     int64_t moe_index = 0, moe_layers = 0;
     for (int64_t l = 0; l < c.layers; l++) moe_layers += layers[l].router != nullptr;
     const float *pending = nullptr;  // the last sublayer's output, added to h with the next norm
     for (int64_t l = 0; l < c.layers; l++) {
       const FusedLayer &L = layers[l];
-      residual_norm(team, pending, L.in_norm);
-      team.gemm(R, hid, n, x.data(), L.qkv, L.qkv_bias, qkv.data());
+      residual_norm(pending, L.in_norm);
+      team.gemm(R, hid, n, x, L.qkv, L.qkv_bias, qkv.data());
       attention(team, L, positions, mine);
       team.gemm(R, c.heads * c.head_dim, hid, attn.data(), L.o, L.o_bias, proj.data());
-      residual_norm(team, proj.data(), L.post_norm);
+      residual_norm(proj.data(), L.post_norm);
       if (L.router) {
         route(team, L, routed + moe_index * c.top_k, moe_layers * c.top_k);
         moe_index++;
         experts(team, L, mine);
-        if (L.shared_gate_up) shared_expert(team, L);
+        if (L.shared_gate_up.data) shared_expert(team, L);
         pending = moe.data();
       } else {
-        mlp(team, R, x.data(), L.gate_up, L.down, L.inner);
+        mlp(team, R, x, L.gate_up, L.down, L.inner);
         pending = proj.data();
       }
     }
-    for (int64_t i = team.begin(R); i < team.end(R); i++)
-      for (int64_t m = i * hid; m < (i + 1) * hid; m++) h[m] += pending[m];
-    team.sync();
+    for (int64_t m = 0; m < R * hid; m++) h[m] += pending[m];
     if (c.every_token) {  // logits of every token: rows [r0, r0 + R) of the flattened batch
-      for (int64_t i = team.begin(R); i < team.end(R); i++) {
-        rms_norm(hid, h.data() + i * hid, final_norm, c.eps, x.data() + i * hid);
-        if (hidden) std::memcpy(hidden + (r0 + i) * hid, x.data() + i * hid, hid * sizeof(float));
-      }
-      team.sync();
-      team.gemm(R, hid, c.vocab, x.data(), lm_head, nullptr, logits + r0 * c.vocab);
+      for (int64_t i = 0; i < R; i++) rms_norm(hid, h + i * hid, final_norm, c.eps, x + i * hid);
+      if (hidden)
+        for (int64_t i = team.begin(R); i < team.end(R); i++)
+          std::memcpy(hidden + (r0 + i) * hid, x + i * hid, hid * sizeof(float));
+      team.gemm(R, hid, c.vocab, x, fp32(lm_head), nullptr, logits + r0 * c.vocab);
       return;
     }
     const int64_t S = s1 - s0;
-    for (int64_t s = s0 + team.begin(S); s < s0 + team.end(S); s++) {  // logits of each sequence's last token
-      rms_norm(hid, h.data() + (starts[s + 1] - 1 - r0) * hid, final_norm, c.eps, x.data() + (s - s0) * hid);
-      if (hidden) std::memcpy(hidden + s * hid, x.data() + (s - s0) * hid, hid * sizeof(float));
-    }
-    team.sync();
-    team.gemm(S, hid, c.vocab, x.data(), lm_head, nullptr, logits + s0 * c.vocab);
+    for (int64_t s = s0; s < s1; s++)  // logits of each sequence's last token
+      rms_norm(hid, h + (starts[s + 1] - 1 - r0) * hid, final_norm, c.eps, x + (s - s0) * hid);
+    if (hidden)
+      for (int64_t s = s0 + team.begin(S); s < s0 + team.end(S); s++)
+        std::memcpy(hidden + s * hid, x + (s - s0) * hid, hid * sizeof(float));
+    team.gemm(S, hid, c.vocab, x, fp32(lm_head), nullptr, logits + s0 * c.vocab);
   }
 };
 
@@ -660,7 +790,7 @@ void miles_fused_forward(const FusedConfig *cfg, const FusedLayer *layers, int64
     static thread_local Scratch scratch;
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     if (wide) {
-      all->run(Team{t, T}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed, hidden);
+      all->mine(scratch).run(Team{t, T}, scratch, layers, ids, positions, inv_freq, embed, final_norm, lm_head, logits, routed, hidden);
     } else {
       // the first sequence starting at or past token total * t / T, for t and t + 1
       const int64_t first = t == 0 ? 0 : std::lower_bound(starts, starts + S, total * t / T) - starts;
@@ -689,7 +819,7 @@ void miles_fused_gemm_list(int64_t count, const int64_t *R, const int64_t *K, co
       const float *a = reinterpret_cast<const float *>(A[i]), *b = reinterpret_cast<const float *>(B[i]);
       float *c = reinterpret_cast<float *>(C[i]);
       if (columns) {  // each thread its share of the output units, all rows (as a team does)
-        Team{t, T}.gemm(R[i], K[i], N[i], a, b, nullptr, c);
+        Team{t, T}.gemm(R[i], K[i], N[i], a, fp32(b), nullptr, c);
       } else {  // each thread its share of the rows, all panels
         const int64_t first = R[i] * t / T, rows = R[i] * (t + 1) / T - first;
         if (rows > 0) gemm(rows, K[i], N[i], a + first * K[i], b, nullptr, c + first * N[i]);

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer
+from miles.quant.int4 import unpack_int4
+from miles.quant.int4_linear import Int4Linear
 
 log = logging.getLogger("miles")
 
@@ -64,9 +66,16 @@ class _Config(ctypes.Structure):
     ] + [("eps", ctypes.c_double)]  # fmt: skip
 
 
+class _Weight(ctypes.Structure):  # fused.cpp's FusedWeight: fp32 panels (group 0) or INT4 codes
+    _fields_ = [("data", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("group", ctypes.c_int64)]
+
+
+_WEIGHTS = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down")
+
+
 class _Layer(ctypes.Structure):  # fused.cpp's FusedLayer, field for field
     _fields_ = [
-        (name, ctypes.c_int64 if name.endswith("inner") else ctypes.c_void_p)
+        (name, ctypes.c_int64 if name.endswith("inner") else _Weight if name in _WEIGHTS else ctypes.c_void_p)
         for name in (
             "in_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "router",
             "gate_up", "down", "keys", "values", "inner", "shared_gate_up", "shared_down", "shared_gate",
@@ -130,18 +139,46 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def _projections(model: Transformer):
-    """Every projection module the fused step reads the weight of."""
+def _products(model: Transformer):
+    """The projections the fused step multiplies by as one product each: q/k/v together, gate/up
+    together, each expert's, the router, the LM head."""
     for layer in model.model.layers:
         a, mlp = layer.self_attn, layer.mlp
-        yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-        if isinstance(mlp, MoE):
-            yield mlp.gate
-            for e in mlp.experts:
-                yield from (e.gate_proj, e.up_proj, e.down_proj)
+        yield from ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj])
+        if isinstance(mlp, MoE):  # the experts' weights one after another: one format for all
+            yield [mlp.gate]
+            yield [p for e in mlp.experts for p in (e.gate_proj, e.up_proj)]
+            yield [e.down_proj for e in mlp.experts]
+            if mlp.shared_expert is not None:
+                s = mlp.shared_expert
+                yield from ([s.gate_proj, s.up_proj], [s.down_proj], [mlp.shared_expert_gate])
         else:
-            yield from (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    yield model.lm_head
+            yield from ([mlp.gate_proj, mlp.up_proj], [mlp.down_proj])
+    yield [model.lm_head]
+
+
+def _int4_group(module: nn.Module) -> int | None:
+    """The group size of an INT4 engine layer the fused step reads (its packed codes, fp32
+    activations, whole 16-column units), else None."""
+    if not isinstance(module, Int4Linear):
+        return None
+    if module.store_codes and module.mode == "int4" and not module.kernel and module.out_features % 16 == 0:
+        return module.group
+    return None
+
+
+def _product_unsupported(modules: list[nn.Module]) -> str | None:
+    """What in one product's layers the fused step does not compute (None: nothing): plain
+    fp32 linears, or INT4 engine layers of one group size."""
+    if all(type(m) is nn.Linear for m in modules):
+        return None
+    groups = {_int4_group(m) for m in modules}
+    if len(groups) == 1 and None not in groups:
+        return None
+    odd = next(m for m in modules if type(m) is not nn.Linear)
+    if isinstance(odd, Int4Linear) and odd.kernel:
+        return "INT4 layers with bf16 activations (--int4-kernel-activations bf16 runs torch's INT4 kernel)"
+    return f"projections of type {type(odd).__name__} ({odd.extra_repr()}): FP8, sharded or mixed layers"
 
 
 def _model_unsupported(model: Transformer) -> str | None:
@@ -160,9 +197,10 @@ def _model_unsupported(model: Transformer) -> str | None:
                 return f"{name} has sharded or offloaded experts"
             if not isinstance(module.experts, nn.ModuleList):
                 return f"{name} keeps its experts in a {type(module.experts).__name__}"
-    odd = [type(m).__name__ for m in _projections(model) if type(m) is not nn.Linear]
-    if odd:
-        return f"projections of type {odd[0]} (FP8, INT4 or sharded layers)"
+    for product in _products(model):
+        reason = _product_unsupported(product)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -192,6 +230,30 @@ def _t(weights: list[torch.Tensor]) -> torch.Tensor:
     """Projection weights (out, in), concatenated along out, as one (in, out) weight packed in
     panels (`pack_panels`)."""
     return pack_panels(torch.cat([w.detach() for w in weights]).t())
+
+
+def pack_int4_panels(codes_t: torch.Tensor) -> torch.Tensor:
+    """(in, out) int8 INT4 codes (out a multiple of 16) as fused.cpp reads them: the panels of
+    `pack_panels`, each row's 16-column units in 8 bytes, byte b holding column b's code + 8 in
+    its low nibble and column b + 8's in its high one; flat uint8."""
+    K, N = codes_t.shape
+    shifted = (codes_t.to(torch.int16) + 8).to(torch.uint8)
+    panels = []
+    for n in range(0, N, PANEL):
+        units = shifted[:, n : n + PANEL].reshape(K, -1, 2, 8)
+        panels.append((units[:, :, 0] | (units[:, :, 1] << 4)).reshape(-1))
+    return torch.cat(panels)
+
+
+def _packed(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """One product's weight as fused.cpp's FusedWeight reads it: (data, scales, group): fp32
+    panels of the concatenated (out, in) weights, or INT4 codes and their scales in panels."""
+    group = _int4_group(modules[0])
+    if group is None:
+        return _t([m.weight for m in modules]), None, 0
+    codes = torch.cat([unpack_int4(m.weight) for m in modules])
+    scales = torch.cat([m.weight_scale for m in modules])
+    return pack_int4_panels(codes.t()), pack_panels(scales.t().contiguous()), group
 
 
 class PackedLinear:
@@ -229,21 +291,31 @@ class FusedStep:
         self.lib = library()
         self.model, cfg = model, model.config
         self.threads = threads or torch.get_num_threads()
-        self.sources = list(model.parameters())
+        self._params = list(model.parameters())
+        self._int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
         if wide_below is None:
-            streamed = sum(p.numel() * p.element_size() for p in self.sources) > STREAMED
+            streamed = sum(p.numel() * p.element_size() for p in self._sources()) > STREAMED
             wide_below = WIDE_BELOW_STREAMED if streamed else WIDE_BELOW
         self.wide_below = wide_below
         self._packed_versions: list[int] | None = None
-        self._pointers = [p.data_ptr() for p in self.sources]
+        self._pointers = [p.data_ptr() for p in self._sources()]
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
         self._one_each: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _sources(self) -> list[torch.Tensor]:
+        """Every tensor the packed copies are made from, as the model holds them now: its
+        parameters and its INT4 layers' codes and scales (buffers a weight update replaces)."""
+        return [*self._params, *(b for m in self._int4 for b in (m.weight, m.weight_scale))]
+
     def intact(self) -> bool:
         """Whether every parameter still lives where it did (one replaced rather than copied
         into is a new tensor: the engine builds the step again)."""
-        return [p.data_ptr() for p in self.sources] == self._pointers
+        return [p.data_ptr() for p in self._sources()] == self._pointers
+
+    def _versions(self) -> list[int]:
+        """Each source tensor's version: a weight update copied into one moves it."""
+        return [p._version for p in self._sources()]
 
     def _pack(self) -> None:
         """The packed weight copies and the per-layer pointer table."""
@@ -257,6 +329,10 @@ class FusedStep:
             self.keep.append(t)
             return t.data_ptr()
 
+        def weight(modules: list[nn.Module]) -> _Weight:
+            data, scales, group = _packed(modules)
+            return _Weight(ptr(data), ptr(scales), group)
+
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
         largest = 0
@@ -266,32 +342,33 @@ class FusedStep:
             fields = dict(
                 in_norm=ptr(layer.input_layernorm.weight),
                 post_norm=ptr(layer.post_attention_layernorm.weight),
-                qkv=ptr(_t([p.weight for p in q])),
+                qkv=weight(list(q)),
                 qkv_bias=ptr(None if a.q_proj.bias is None else torch.cat([p.bias for p in q])),
                 q_norm=ptr(a.q_norm.weight) if a.qk_norm else None,
                 k_norm=ptr(a.k_norm.weight) if a.qk_norm else None,
-                o=ptr(_t([a.o_proj.weight])),
+                o=weight([a.o_proj]),
                 o_bias=ptr(a.o_proj.bias),
             )
             if isinstance(mlp, MoE):
                 experts = list(mlp.experts)
                 inner = experts[0].gate_proj.out_features
                 fields["router"] = ptr(_t([mlp.gate.weight]))
-                fields["gate_up"] = ptr(
-                    torch.stack([_t([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
-                )
-                fields["down"] = ptr(torch.stack([_t([e.down_proj.weight]) for e in experts]))
+                gate_up = [_packed([e.gate_proj, e.up_proj]) for e in experts]
+                down = [_packed([e.down_proj]) for e in experts]
+                for name, parts in (("gate_up", gate_up), ("down", down)):  # the experts one after another
+                    scales = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+                    fields[name] = _Weight(ptr(torch.cat([p[0] for p in parts])), ptr(scales), parts[0][2])
                 if mlp.shared_expert is not None:
                     shared = mlp.shared_expert
-                    fields["shared_gate_up"] = ptr(_t([shared.gate_proj.weight, shared.up_proj.weight]))
-                    fields["shared_down"] = ptr(_t([shared.down_proj.weight]))
+                    fields["shared_gate_up"] = weight([shared.gate_proj, shared.up_proj])
+                    fields["shared_down"] = weight([shared.down_proj])
                     fields["shared_gate"] = ptr(_t([mlp.shared_expert_gate.weight]))
                     fields["shared_inner"] = shared.gate_proj.out_features
                     largest = max(largest, fields["shared_inner"])
             else:
                 inner = mlp.gate_proj.out_features
-                fields["gate_up"] = ptr(_t([mlp.gate_proj.weight, mlp.up_proj.weight]))
-                fields["down"] = ptr(_t([mlp.down_proj.weight]))
+                fields["gate_up"] = weight([mlp.gate_proj, mlp.up_proj])
+                fields["down"] = weight([mlp.down_proj])
             fields["inner"], largest = inner, max(largest, inner)
             for name, value in fields.items():
                 setattr(self.table[i], name, value)
@@ -315,7 +392,7 @@ class FusedStep:
             wide_below=self.wide_below,
             eps=cfg.rms_norm_eps,
         )
-        self._packed_versions = [p._version for p in self.sources]
+        self._packed_versions = self._versions()
 
     @torch.inference_mode()
     def decode(
@@ -409,7 +486,7 @@ class FusedStep:
         vocab = self.model.model.embed_tokens.weight.shape[0]
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:  # the C++ side reads embedding rows unchecked
             raise ValueError(f"token ids must lie in [0, {vocab}); got {int(ids.min())}..{int(ids.max())}")
-        if self._packed_versions != [p._version for p in self.sources]:
+        if self._packed_versions != self._versions():
             self._pack()
         for layer, keys, values in zip(self.table, cache.keys, cache.values):
             layer.keys, layer.values = keys.data_ptr(), values.data_ptr()
