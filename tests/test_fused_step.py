@@ -266,14 +266,15 @@ def test_an_engine_on_the_fused_step_keeps_tokens_log_probs_and_experts(arch):
 
 
 def test_a_weight_update_reaches_the_fused_step():
-    """The packed copies are remade when a parameter's version moves, whether the engine's
-    update wrote it or something wrote it behind the engine's back: the fused engine's greedy
-    tokens are then those of a general-forward engine given the same change."""
+    """The packed copies are remade (in their buffers) when a parameter's version moves, whether
+    the engine's update wrote it or something wrote it behind the engine's back: the fused
+    engine's greedy tokens are then those of a general-forward engine given the same change."""
     model = random_model("qwen3_moe", seed=5)
     fused = Engine(copy.deepcopy(model), max_batch_size=4, max_seq_len=64, seed=0)
     general = Engine(model, max_batch_size=4, max_seq_len=64, seed=0, decode_step="general")
     greedy = [Request([5 + i, 6, 7], SamplingParams(temperature=0, max_new_tokens=8)) for i in range(4)]
     before = fused.generate(copy.deepcopy(greedy))
+    packed = [t.data_ptr() for t in fused.decode_step._buffers.values()]
     gen = torch.Generator().manual_seed(1)
     update = [
         (n, p.detach() * (1 + 0.3 * torch.randn(p.shape, generator=gen))) for n, p in model.named_parameters()
@@ -283,6 +284,7 @@ def test_a_weight_update_reaches_the_fused_step():
     after, want = fused.generate(copy.deepcopy(greedy)), general.generate(copy.deepcopy(greedy))
     assert [s.tokens for s in after] != [s.tokens for s in before]
     assert [s.tokens for s in after] == [s.tokens for s in want]
+    assert [t.data_ptr() for t in fused.decode_step._buffers.values()] == packed  # rewritten in place
     with torch.no_grad():  # behind the engines' backs
         for engine in (fused, general):
             for p in engine.model.model.layers[0].self_attn.k_proj.parameters():

@@ -220,16 +220,34 @@ def fused_unsupported(model: Transformer) -> str | None:
 PANEL = 64  # columns of a packed panel (fused.cpp's PANEL)
 
 
-def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
+def pack_panels(weight_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """An (in, out) weight laid out as fused.cpp reads it: column panels of 64, each
-    contiguous (in rows of its width), one after another; flat."""
-    return torch.cat([weight_t[:, n : n + PANEL].reshape(-1) for n in range(0, weight_t.shape[1], PANEL)])
+    contiguous (in rows of its width), one after another; flat. One copy, into `out` if given."""
+    K, N = weight_t.shape
+    out = torch.empty(K * N, dtype=weight_t.dtype) if out is None else out
+    full = N - N % PANEL
+    if full:
+        panels = weight_t[:, :full].reshape(K, full // PANEL, PANEL).transpose(0, 1)
+        out[: K * full].view(full // PANEL, K, PANEL).copy_(panels)
+    if full < N:
+        out[K * full :].view(K, N - full).copy_(weight_t[:, full:])
+    return out
 
 
-def _t(weights: list[torch.Tensor]) -> torch.Tensor:
+def _t(weights: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Projection weights (out, in), concatenated along out, as one (in, out) weight packed in
-    panels (`pack_panels`)."""
-    return pack_panels(torch.cat([w.detach() for w in weights]).t())
+    panels (`pack_panels`), into `out` if given. Where every part but the last fills whole
+    panels, each part is packed straight into its own run of panels (no concatenated copy)."""
+    weights = [w.detach() for w in weights]
+    size = sum(w.numel() for w in weights)
+    out = torch.empty(size, dtype=weights[0].dtype) if out is None else out
+    if any(w.shape[0] % PANEL for w in weights[:-1]):
+        return pack_panels(torch.cat(weights).t(), out)
+    start = 0
+    for w in weights:
+        pack_panels(w.t(), out[start : start + w.numel()])
+        start += w.numel()
+    return out
 
 
 def pack_int4_panels(codes_t: torch.Tensor) -> torch.Tensor:
@@ -245,12 +263,15 @@ def pack_int4_panels(codes_t: torch.Tensor) -> torch.Tensor:
     return torch.cat(panels)
 
 
-def _packed(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+def _packed(
+    modules: list[nn.Module], out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """One product's weight as fused.cpp's FusedWeight reads it: (data, scales, group): fp32
-    panels of the concatenated (out, in) weights, or INT4 codes and their scales in panels."""
+    panels of the concatenated (out, in) weights (into `out` if given), or INT4 codes and their
+    scales in panels."""
     group = _int4_group(modules[0])
     if group is None:
-        return _t([m.weight for m in modules]), None, 0
+        return _t([m.weight for m in modules], out), None, 0
     codes = torch.cat([unpack_int4(m.weight) for m in modules])
     scales = torch.cat([m.weight_scale for m in modules])
     return pack_int4_panels(codes.t()), pack_panels(scales.t().contiguous()), group
@@ -298,6 +319,7 @@ class FusedStep:
             wide_below = WIDE_BELOW_STREAMED if streamed else WIDE_BELOW
         self.wide_below = wide_below
         self._packed_versions: list[int] | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # the packed fp32 copies, by product
         self._pointers = [p.data_ptr() for p in self._sources()]
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
@@ -318,7 +340,8 @@ class FusedStep:
         return [p._version for p in self._sources()]
 
     def _pack(self) -> None:
-        """The packed weight copies and the per-layer pointer table."""
+        """The packed weight copies and the per-layer pointer table. A repack (a weight update)
+        writes the fp32 copies into the buffers of the last one: no fresh pages to fault in."""
         model, cfg = self.model, self.model.config
         self.keep: list[torch.Tensor] = []  # every tensor a pointer below refers to
 
@@ -329,8 +352,18 @@ class FusedStep:
             self.keep.append(t)
             return t.data_ptr()
 
-        def weight(modules: list[nn.Module]) -> _Weight:
-            data, scales, group = _packed(modules)
+        def buffer(key: str, modules: list[nn.Module]) -> torch.Tensor | None:
+            """The fp32 buffer `key` held at the last pack (None for INT4 codes: made anew)."""
+            if _int4_group(modules[0]) is not None:
+                return None
+            numel = sum(m.weight.numel() for m in modules)
+            held = self._buffers.get(key)
+            if held is None or held.numel() != numel:
+                held = self._buffers[key] = torch.empty(numel)
+            return held
+
+        def weight(key: str, modules: list[nn.Module]) -> _Weight:
+            data, scales, group = _packed(modules, buffer(key, modules))
             return _Weight(ptr(data), ptr(scales), group)
 
         layers = model.model.layers
@@ -342,40 +375,51 @@ class FusedStep:
             fields = dict(
                 in_norm=ptr(layer.input_layernorm.weight),
                 post_norm=ptr(layer.post_attention_layernorm.weight),
-                qkv=weight(list(q)),
+                qkv=weight(f"{i}.qkv", list(q)),
                 qkv_bias=ptr(None if a.q_proj.bias is None else torch.cat([p.bias for p in q])),
                 q_norm=ptr(a.q_norm.weight) if a.qk_norm else None,
                 k_norm=ptr(a.k_norm.weight) if a.qk_norm else None,
-                o=weight([a.o_proj]),
+                o=weight(f"{i}.o", [a.o_proj]),
                 o_bias=ptr(a.o_proj.bias),
             )
             if isinstance(mlp, MoE):
                 experts = list(mlp.experts)
                 inner = experts[0].gate_proj.out_features
-                fields["router"] = ptr(_t([mlp.gate.weight]))
-                gate_up = [_packed([e.gate_proj, e.up_proj]) for e in experts]
-                down = [_packed([e.down_proj]) for e in experts]
-                for name, parts in (("gate_up", gate_up), ("down", down)):  # the experts one after another
-                    scales = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
-                    fields[name] = _Weight(ptr(torch.cat([p[0] for p in parts])), ptr(scales), parts[0][2])
+                fields["router"] = ptr(_t([mlp.gate.weight], buffer(f"{i}.router", [mlp.gate])))
+                projections = {
+                    "gate_up": [[e.gate_proj, e.up_proj] for e in experts],
+                    "down": [[e.down_proj] for e in experts],
+                }
+                for name, parts in projections.items():  # the experts one after another
+                    whole = buffer(f"{i}.{name}", [m for part in parts for m in part])
+                    packed, start = [], 0
+                    for part in parts:
+                        size = sum(m.weight.numel() for m in part)
+                        packed.append(_packed(part, None if whole is None else whole[start : start + size]))
+                        start += size
+                    data = whole if whole is not None else torch.cat([p[0] for p in packed])
+                    scales = None if packed[0][1] is None else torch.cat([p[1] for p in packed])
+                    fields[name] = _Weight(ptr(data), ptr(scales), packed[0][2])
                 if mlp.shared_expert is not None:
                     shared = mlp.shared_expert
-                    fields["shared_gate_up"] = weight([shared.gate_proj, shared.up_proj])
-                    fields["shared_down"] = weight([shared.down_proj])
+                    fields["shared_gate_up"] = weight(
+                        f"{i}.shared_gate_up", [shared.gate_proj, shared.up_proj]
+                    )
+                    fields["shared_down"] = weight(f"{i}.shared_down", [shared.down_proj])
                     fields["shared_gate"] = ptr(_t([mlp.shared_expert_gate.weight]))
                     fields["shared_inner"] = shared.gate_proj.out_features
                     largest = max(largest, fields["shared_inner"])
             else:
                 inner = mlp.gate_proj.out_features
-                fields["gate_up"] = weight([mlp.gate_proj, mlp.up_proj])
-                fields["down"] = weight([mlp.down_proj])
+                fields["gate_up"] = weight(f"{i}.gate_up", [mlp.gate_proj, mlp.up_proj])
+                fields["down"] = weight(f"{i}.down", [mlp.down_proj])
             fields["inner"], largest = inner, max(largest, inner)
             for name, value in fields.items():
                 setattr(self.table[i], name, value)
         self.embed = model.model.embed_tokens.weight.detach()
         self.final_norm = model.model.norm.weight.detach()
         self.inv_freq = model.inv_freq.detach().float().contiguous()
-        self.lm_head = _t([model.lm_head.weight])
+        self.lm_head = _t([model.lm_head.weight], buffer("lm_head", [model.lm_head]))
         self.config = _Config(
             hidden=cfg.hidden_size,
             heads=cfg.num_attention_heads,
