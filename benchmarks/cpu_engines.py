@@ -17,7 +17,8 @@ temperature 0.7 over the whole vocabulary, EOS ignored, tokens counted per engin
   to their longest row (only the requested tokens count), llama.cpp's Python binding decodes one
   request at a time (it has no batch API).
 
-Each cell is the median of 3 runs, the engines alternating within each round. "bound": the fp32
+Each cell is the median of 3 runs, the engines alternating within each round; every engine but
+the one measured is stopped (SIGSTOP), so none of them takes a core while idle. "bound": the fp32
 decode step's limit at that batch (the weights and the KV cache read once at the measured memory
 bandwidth, or the step's GEMMs, whichever is slower; `decode_bound.py`).
 
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -255,17 +257,30 @@ class Worker:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=env,
+            text=True, env=env, start_new_session=True,
         )  # fmt: skip
         self.ready = json.loads(self.proc.stdout.readline() or '{"ready": false}')["ready"]
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        """To the worker and every process it started (vLLM's engine core and workers)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
 
     def rate(self, workload: int) -> float:
-        self.proc.stdin.write(f"{workload}\n")
-        self.proc.stdin.flush()
-        answer = json.loads(self.proc.stdout.readline())
+        """Tokens/s of one run; the engine is stopped (SIGSTOP) between its runs, so an idle
+        engine's polling threads never take a core from the one being measured."""
+        self._signal(signal.SIGCONT)
+        try:
+            self.proc.stdin.write(f"{workload}\n")
+            self.proc.stdin.flush()
+            answer = json.loads(self.proc.stdout.readline())
+        finally:
+            self._signal(signal.SIGSTOP)
         return answer["tokens"] / answer["seconds"]
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         self.proc.stdin.close()
         self.proc.wait()
 

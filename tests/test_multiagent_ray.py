@@ -26,8 +26,10 @@ def test_agents_on_ray_match_the_one_process_run(ray_cluster, tmp_path):
     assert [s["agent_train_ranks_player_1"] for s in local] == [1, 1]
     for a, b in zip(local, on_ray):  # the same episodes: every reward, snapshot drawn and P(bet)
         for key in a:
-            if key.startswith(("agent_reward", "win_rate", "opponent_snapshot", "bet_")):
+            if key.startswith(("agent_reward", "win_rate", "opponent_snapshot")):
                 assert b[key] == pytest.approx(a[key], abs=1e-5), key
+            elif key.startswith("bet_"):  # read from the weights, which differ by rounding (below)
+                assert b[key] == pytest.approx(a[key], rel=1e-3), key
     for name in kuhn.PLAYERS:
         ours = registry.model_for(str(tmp_path / "local" / "agents" / name)).state_dict()
         theirs = registry.model_for(str(tmp_path / "ray" / "agents" / name)).state_dict()
@@ -38,6 +40,6 @@ def test_agents_on_ray_match_the_one_process_run(ray_cluster, tmp_path):
             # the routers' load-balancing loss is each rank's own (over its half of the batch): their
             # weights differ by a fraction of their update, and the experts they feed slightly; the
             # rest by rounding, which Adam turns into a full step only where a gradient is ~0
-            share = 0.25 if k.endswith("mlp.gate.weight") else 0.05
+            share = 0.25 if k.endswith("mlp.gate.weight") or ".experts." in k else 0.05
             assert float(diff.max()) <= share * moved + 1e-7, k
         assert any(not torch.equal(ours[k], base[k]) for k in ours)  # the agent trained

@@ -577,11 +577,11 @@ class TrainSection:
         "compute each group's shared prompt once in the training forward (same result as the full "
         "forward to fp32 rounding; --no-share-prompts runs every sample in full)",
     )
-    length_buckets: bool = option(
+    pad_free: bool = option(
         True,
-        "run a training forward's rows in buckets of similar length, each padded only to its own longest "
-        "row, instead of all padded to the longest (same result to fp32 rounding; not with FSDP, expert "
-        "parallelism, expert capacity or deterministic routing, where every forward's shape must agree)",
+        "training forwards run every projection and MLP on the real tokens alone, one GEMM over all of a "
+        "micro-batch's tokens, and pad only around attention (same result to fp32 rounding; not with FSDP, "
+        "expert parallelism, expert capacity or deterministic routing, where every forward's shape must agree)",
     )
     seed: int = option(1234, "training seed (data order, init)", bounds="[0, inf)")
     aux_loss_coef: float = option(

@@ -56,6 +56,40 @@ class Prefix:
     mask: torch.Tensor  # (P, S) bool
 
 
+@dataclass
+class Layout:
+    """Where the real tokens of a padded (B, T) batch sit. A pad-free forward runs its per-token
+    work (norms, projections, MLP or MoE, the final norm) on these N rows alone, one GEMM a
+    projection over every row, and pads only around attention."""
+
+    tokens: torch.Tensor  # (N,) flat positions b * T + t of the real tokens, in order
+    B: int
+    T: int
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> Layout:
+        B, T = mask.shape
+        return cls(mask.reshape(-1).nonzero().squeeze(1), B, T)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (B, T, ...), zeros at the padding."""
+        out = x.new_zeros(self.B * self.T, *x.shape[1:]).index_copy(0, self.tokens, x)
+        return out.view(self.B, self.T, *x.shape[1:])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (N, ...), the real tokens' rows (index_select: its backward is one index_add)."""
+        return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.tokens)
+
+    def rows_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """Flat padded positions (each a real token's) -> their rows among the N."""
+        where = torch.full((self.B * self.T,), -1, dtype=torch.long, device=self.tokens.device)
+        where[self.tokens] = torch.arange(self.tokens.numel(), device=self.tokens.device)
+        rows = where.index_select(0, flat)
+        if bool((rows < 0).any()):
+            raise ValueError("head_rows names a padding position")
+        return rows
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -125,11 +159,15 @@ class Attention(nn.Module):
         cache: tuple[KVCache, int, Rows, torch.Tensor, int] | None,
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # (B, KV, P, D) keys/values before x
         collect_kv: bool = False,  # also return this layer's (k, v) after RoPE
+        layout: Layout | None = None,  # x is (N, hidden), the real tokens of this (B, T) layout
     ):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if layout is not None:
+            q, k, v = layout.pad(q), layout.pad(k), layout.pad(v)
+        B, T, _ = q.shape
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)  # (B, H, T, D)
@@ -148,7 +186,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
             )
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        out = self.o_proj(out if layout is None else layout.pack(out))
         return (out, own_kv) if collect_kv else out
 
 
@@ -309,11 +348,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", make_linear)
 
-    def forward(self, h, rope, mask, cache, before, collect_kv: bool, forced, valid):
-        """The residual stream h (B, T, hidden) through attention and MLP/MoE -> (h, this layer's
-        (k, v) when collected, router logits (B, T, E) and routing record (B, T, K) of a MoE layer)."""
-        B, T, _ = h.shape
-        attn = self.self_attn(self.input_layernorm(h), rope, mask, cache, before, collect_kv)
+    def forward(self, h, rope, mask, cache, before, collect_kv: bool, forced, valid, layout=None):
+        """The residual stream h (B, T, hidden), or (N, hidden) with a `layout`, through attention
+        and MLP/MoE -> (h, this layer's (k, v) when collected, router logits (..., E) and routing
+        record (..., K) of a MoE layer, shaped as h)."""
+        attn = self.self_attn(self.input_layernorm(h), rope, mask, cache, before, collect_kv, layout)
         pair = None
         if collect_kv:
             attn, pair = attn
@@ -321,8 +360,9 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(x), pair, None, None
-        y, logits, ids = self.mlp(x.reshape(B * T, -1), forced, valid)
-        return h + y.view(B, T, -1), pair, logits.view(B, T, -1), ids.view(B, T, -1)
+        lead = h.shape[:-1]
+        y, logits, ids = self.mlp(x.reshape(-1, x.shape[-1]), forced, valid)
+        return h + y.view(*lead, -1), pair, logits.view(*lead, -1), ids.view(*lead, -1)
 
 
 class Backbone(nn.Module):
@@ -417,6 +457,7 @@ class Transformer(nn.Module):
         image_grid_thw: torch.Tensor | None = None,  # (images, 3): each image's (t, h, w) in patches
         rope_positions: torch.Tensor
         | None = None,  # M-RoPE (3, B, T); default: from the images, else positions
+        pad_free: bool = False,  # full sequences: per-token work on the real tokens alone (`Layout`)
     ) -> ModelOutput:
         """Logits for every position.
 
@@ -426,6 +467,8 @@ class Transformer(nn.Module):
         With `prefix` (training on groups that share a prompt): row b first attends to the keys
         and values of prefix row `prefix.rows[b]`, collected by an earlier `collect_kv=True` pass,
         so a prompt is computed once per group and its gradient sums over the group.
+        `pad_free` (full sequences): everything but attention runs on the real tokens alone, one
+        GEMM a projection over all of them; padding positions' outputs are zeros.
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -475,6 +518,12 @@ class Transformer(nn.Module):
         )
 
         valid = (token_mask if token_mask is not None else attention_mask).reshape(-1).bool()
+        layout = None
+        if pad_free:
+            if cache is not None or logits_at is not None:
+                raise ValueError("pad_free runs full sequences: no cache, no logits_at")
+            layout = Layout.of(attention_mask)
+            h, valid = layout.pack(h), valid.index_select(0, layout.tokens)
         router_logits, routed = [], []
         kv: list | None = [] if collect_kv else None  # returned, not passed in: FSDP2 rebuilds arguments
         for i, layer in enumerate(self.model.layers):
@@ -485,7 +534,8 @@ class Transformer(nn.Module):
             forced = None
             if forced_experts is not None and layer.is_moe:
                 forced = forced_experts[:, :, len(routed)].reshape(B * T, -1)
-            args = (h, rope, mask, layer_cache, before, collect_kv, forced, valid)
+                forced = forced if layout is None else forced.index_select(0, layout.tokens)
+            args = (h, rope, mask, layer_cache, before, collect_kv, forced, valid, layout)
             if self.recompute_activations and cache is None and torch.is_grad_enabled():
                 h, pair, logits, ids = checkpoint(layer, *args, use_reentrant=False)
             else:
@@ -498,9 +548,21 @@ class Transformer(nn.Module):
         if logits_at is not None:  # generation needs the last position only: skip the big lm_head matmul
             h = h[torch.arange(B, device=device), logits_at][:, None]
         hidden = self.model.norm(h)
+        if layout is not None:
+            router_logits, routed = [layout.pad(t) for t in router_logits], [layout.pad(t) for t in routed]
         experts = torch.stack(routed, dim=2) if routed else None
         if head_rows is not None:  # the caller runs the LM head on these rows (training: responses only)
+            if layout is not None:
+                return ModelOutput(
+                    None,
+                    router_logits,
+                    experts,
+                    kv,
+                    head_hidden=hidden.index_select(0, layout.rows_of(head_rows)),
+                )
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head_rows)
             return ModelOutput(None, router_logits, experts, kv, head_hidden=rows)
+        if layout is not None:
+            hidden = layout.pad(hidden)
         logits = self.lm_head(hidden).float()
         return ModelOutput(logits, router_logits, experts, kv=kv, hidden=hidden)

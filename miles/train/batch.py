@@ -18,8 +18,7 @@ from miles.algo.logprobs import entropy, head_logprobs, token_logprobs
 from miles.data.sample import Sample
 from miles.models.transformer import ModelOutput, Transformer
 from miles.models.vision import batch_images
-from miles.train.length_buckets import bucketed_forward, overhead_tokens
-from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward, take_rows
+from miles.train.shared_prompt import SharedPrompts, plan_shared_prompts, shared_prompt_forward
 
 
 @dataclass
@@ -94,40 +93,25 @@ def recorded_routing(samples: Sequence[Sample], length: int) -> torch.Tensor:
 
 
 def forward_packed(
-    model: Transformer, batch: PackedBatch, head_rows: torch.Tensor | None = None, buckets: bool = False
+    model: Transformer, batch: PackedBatch, head_rows: torch.Tensor | None = None, pad_free: bool = False
 ) -> ModelOutput:
     """The model's output (B, T-1, ...) for a packed batch (moved to the model's device); each
     shared prompt is computed once when the batch was packed with share_prompts. `head_rows`: the
     final hidden rows at those flat (B, T-1) positions only (the output's head_hidden, no logits).
-    `buckets`: rows run in length buckets, not all padded to the longest (`length_buckets`), their
-    tokens embedded in one call (one embedding backward, not one a bucket)."""
+    `pad_free`: every projection and MLP runs on the real tokens alone (`Transformer.forward`)."""
     device = model.lm_head.weight.device
     if batch.input_ids.device != device:
         batch = batch.to(device)
-    overhead = overhead_tokens(sum(p.numel() for p in model.parameters())) if buckets else None
     if batch.shared is not None:
-        return shared_prompt_forward(model, batch.shared, head_rows, overhead)
-    embeds = None if overhead is None else model.embed_for_forwards(batch.input_ids)
-
-    def rows_of(rows: torch.Tensor | slice, length: int, part_rows: torch.Tensor | None) -> ModelOutput:
-        pixel_values, grid = None, None
-        if batch.images is not None:  # these rows' images, in row order (read before the rows move)
-            picked = batch.images if isinstance(rows, slice) else [batch.images[r] for r in rows.tolist()]
-            pixel_values, grid = batch_images(picked)
-            pixel_values = None if pixel_values is None else pixel_values.to(device)
-        if isinstance(rows, torch.Tensor):
-            rows = rows.to(device)
-        forced = None if batch.forced_experts is None else batch.forced_experts[rows, :length]
-        return model(
-            batch.input_ids[rows, :length], attention_mask=batch.attention_mask[rows, :length],
-            forced_experts=forced, head_rows=part_rows, pixel_values=pixel_values, image_grid_thw=grid,
-            inputs_embeds=None if embeds is None else take_rows(embeds, rows)[:, :length],
-        )  # fmt: skip
-
-    width = batch.input_ids.shape[1]
-    if overhead is None:
-        return rows_of(slice(None), width, head_rows)
-    return bucketed_forward(rows_of, batch.attention_mask.sum(1).tolist(), width, head_rows, overhead)
+        return shared_prompt_forward(model, batch.shared, head_rows, pad_free)
+    pixel_values, grid = None, None
+    if batch.images is not None:
+        pixel_values, grid = batch_images(batch.images)
+        pixel_values = None if pixel_values is None else pixel_values.to(device)
+    return model(
+        batch.input_ids, attention_mask=batch.attention_mask, forced_experts=batch.forced_experts,
+        head_rows=head_rows, pixel_values=pixel_values, image_grid_thw=grid, pad_free=pad_free,
+    )  # fmt: skip
 
 
 @dataclass
@@ -145,23 +129,23 @@ def forward_logprobs(
     batch: PackedBatch,
     temperature: float = 1.0,
     full_logits: bool = False,
-    buckets: bool = False,
+    pad_free: bool = False,
 ) -> TokenOutputs:
     """The response tokens' log-probs and entropies for a packed batch (moved to the model's
     device; the results stay there). `temperature`: the run's `logprob_temperature`;
-    `full_logits`: also every position's logits (what top-k distillation reads); `buckets`:
-    rows in length buckets (`length_buckets`)."""
+    `full_logits`: also every position's logits (what top-k distillation reads); `pad_free`:
+    projections and MLPs on the real tokens alone (`Transformer.forward`)."""
     device = model.lm_head.weight.device
     if batch.input_ids.device != device:
         batch = batch.to(device)
     rows = batch.response_rows
     targets = batch.targets.reshape(-1).index_select(0, rows)
     if full_logits:
-        out = forward_packed(model, batch, buckets=buckets)
+        out = forward_packed(model, batch, pad_free=pad_free)
         flat = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, rows)
         logp, ent = token_logprobs(flat, targets, temperature), entropy(flat)
     else:  # the LM head once, on every response row of every forward
-        out = forward_packed(model, batch, rows, buckets)
+        out = forward_packed(model, batch, rows, pad_free)
         logp, ent = head_logprobs(model.lm_head, out.head_hidden, targets, temperature)
     return TokenOutputs(
         scatter(logp, rows, batch.targets), scatter(ent, rows, batch.targets), out.logits, out

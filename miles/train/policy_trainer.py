@@ -79,13 +79,13 @@ def shares_prompts(cfg: RunConfig) -> bool:
     )
 
 
-def uses_length_buckets(cfg: RunConfig, world: int) -> bool:
-    """Whether training forwards run in length buckets: the same cases as prompt sharing (the
-    forward's shape must not change what a token computes), and not under FSDP over several
-    ranks (every rank must run the same number of forwards: each gathers the weights)."""
+def uses_pad_free(cfg: RunConfig, world: int) -> bool:
+    """Whether training forwards run pad-free (`Transformer.forward`): the same cases as prompt
+    sharing (the forward's shape must not change what a token computes), and not under FSDP over
+    several ranks (every rank's forwards must agree in shape: each gathers the weights)."""
     sharded = world > 1 and cfg.train.data_parallel == "fsdp"
     return (
-        cfg.train.length_buckets
+        cfg.train.pad_free
         and cfg.train.moe_capacity_factor is None
         and cfg.train.expert_model_parallel_size == 1
         and not cfg.algo.deterministic_expert_routing
@@ -350,7 +350,7 @@ class PolicyTrainer:
             chunk = [samples[i] for i in part]
             batch = pack_samples(chunk, self.cfg.algo.use_r3 and replay, shares_prompts(self.cfg))
             result = forward_logprobs(
-                model, batch, temperature, bool(topk), uses_length_buckets(self.cfg, self.world)
+                model, batch, temperature, bool(topk), uses_pad_free(self.cfg, self.world)
             )
             for b, (i, s) in enumerate(zip(part, chunk)):
                 out[i] = result.logprobs[b, response_positions(s)].clone()
@@ -502,7 +502,7 @@ class PolicyTrainer:
             batch,
             cfg.rollout.logprob_temperature,
             bool(algo.opd_topk),
-            uses_length_buckets(cfg, self.world),
+            uses_pad_free(cfg, self.world),
         )
         logp, logits, out = result.logprobs, result.logits, result.out
         mask = batch.response_mask

@@ -21,7 +21,6 @@ import torch
 
 from miles.data.sample import Sample
 from miles.models.transformer import ModelOutput, Prefix, Transformer
-from miles.train.length_buckets import bucketed_forward, in_order
 
 
 @dataclass
@@ -106,17 +105,14 @@ def plan_shared_prompts(samples: Sequence[Sample], replay_routing: bool) -> Shar
 
 
 def shared_prompt_forward(
-    model: Transformer,
-    plan: SharedPrompts,
-    head_rows: torch.Tensor | None = None,
-    overhead: int | None = None,
+    model: Transformer, plan: SharedPrompts, head_rows: torch.Tensor | None = None, pad_free: bool = False
 ) -> ModelOutput:
     """The full forward's outputs (logits, router logits, routed experts) in its padded layout,
     computed with each prompt once. `head_rows` (flat positions of the padded layout): the final
     hidden rows there, from whichever pass computed each position (a response's first target is
     predicted from its prompt's last token), in `head_rows`' order instead of logits.
-    `overhead`: run the responses in length buckets (`length_buckets`) at that price per forward.
-    Every token is embedded in one call, so the embedding's backward runs once."""
+    `pad_free`: both passes run their projections and MLPs on the real tokens alone. Every token
+    is embedded in one call, so the embedding's backward runs once."""
     split = plan.prompt_ids.numel()
     first_rows = rest_rows = None
     if head_rows is not None:
@@ -136,28 +132,18 @@ def shared_prompt_forward(
         collect_kv=True,
         head_rows=first_rows,
         inputs_embeds=prompt_embeds,
+        pad_free=pad_free,
     )
-
-    def responses(rows: torch.Tensor | slice, length: int, part_rows: torch.Tensor | None) -> ModelOutput:
-        if isinstance(rows, torch.Tensor):
-            rows = rows.to(plan.resp_ids.device)
-        forced = None if plan.resp_forced is None else plan.resp_forced[rows, :length]
-        return model(
-            plan.resp_ids[rows, :length],
-            attention_mask=plan.resp_mask[rows, :length],
-            positions=plan.resp_positions[rows, :length],
-            forced_experts=forced,
-            prefix=Prefix(first.kv, plan.rows[rows], plan.prompt_mask),
-            head_rows=part_rows,
-            inputs_embeds=None if resp_embeds is None else take_rows(resp_embeds, rows)[:, :length],
-        )
-
-    width = plan.resp_ids.shape[1]
-    if overhead is None:
-        rest = responses(slice(None), width, rest_rows)
-    else:
-        lengths = plan.resp_mask.sum(1).tolist()
-        rest = bucketed_forward(responses, lengths, width, rest_rows, overhead)
+    rest = model(
+        plan.resp_ids,
+        attention_mask=plan.resp_mask,
+        positions=plan.resp_positions,
+        forced_experts=plan.resp_forced,
+        prefix=Prefix(first.kv, plan.rows, plan.prompt_mask),
+        head_rows=rest_rows,
+        inputs_embeds=resp_embeds,
+        pad_free=pad_free,
+    )
 
     def full(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         table = torch.cat([a.reshape(-1, *a.shape[2:]), b.reshape(-1, *b.shape[2:])])
@@ -175,7 +161,10 @@ def shared_prompt_forward(
     return ModelOutput(None, router_logits, routed, head_hidden=hidden)
 
 
-def take_rows(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-    """`t[rows]`, through index_select for a tensor of rows (its backward is an index_add, much
-    faster on CPU than advanced indexing's)."""
-    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+def in_order(parts: list[torch.Tensor], picks: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor whose entries picks[k][j] are parts[k][j]: per-part results (each part computed
+    on the positions it picked) back in the order the positions were asked in."""
+    order = torch.cat(picks)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(len(order), device=order.device)
+    return torch.cat(parts).index_select(0, back.to(parts[0].device))

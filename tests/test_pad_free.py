@@ -1,0 +1,84 @@
+"""Pad-free training forwards (projections and MLPs on the real tokens alone, and the LM head on
+response rows only) give the padded forward's loss and gradients, for every loss aggregation;
+padding never reaches the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.algo.losses import policy_loss
+from miles.algo.masked import AGG_MODES
+from miles.train.batch import forward_logprobs, pack_samples
+from tests.conftest import random_model
+from tests.test_shared_prompt import group_samples
+
+
+def losses_and_grads(model, batch, pad_free: bool, agg: str):
+    model.zero_grad()
+    result = forward_logprobs(model.train(), batch, temperature=0.9, pad_free=pad_free)
+    mask = batch.response_mask
+    gen = torch.Generator().manual_seed(0)
+    old = (result.logprobs.detach() + 0.1 * torch.cos(torch.arange(mask.shape[1]))) * mask  # by column
+    adv = torch.randn(mask.shape[0], 1, generator=gen).expand_as(mask)
+    loss = policy_loss(result.logprobs, old, adv, mask, agg=agg, norm_length=16).loss
+    loss = loss - 0.01 * (result.entropy * mask).sum() / mask.sum()
+    if result.out.router_logits:
+        loss = loss + sum(
+            (r.softmax(-1)[..., 0] * batch.attention_mask).mean() for r in result.out.router_logits
+        )
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss), result.logprobs * mask, grads
+
+
+@pytest.mark.parametrize(
+    "arch, share", [("qwen3", False), ("qwen3", True), ("qwen3_moe", False), ("qwen3_moe", True)]
+)
+def test_pad_free_gives_the_padded_loss_and_gradients(arch, share, monkeypatch):
+    model = random_model(arch, seed=5)
+    samples = group_samples(model, n_prompts=3, n=4, seed=1)
+    batch = pack_samples(samples, replay_routing=arch.endswith("moe"), share_prompts=share)
+    rows = []  # what the first layer's q_proj is given
+    q_proj = model.model.layers[0].self_attn.q_proj
+    real = q_proj.forward
+    monkeypatch.setattr(q_proj, "forward", lambda x: rows.append(x.shape[:-1]) or real(x))
+    for agg in AGG_MODES:
+        rows.clear()
+        padded = losses_and_grads(model, batch, False, agg)
+        assert sum(r.numel() for r in rows) > sum(len(s.tokens) - 1 for s in samples)  # padding ran
+        rows.clear()
+        pad_free = losses_and_grads(model, batch, True, agg)
+        if share:  # each prompt once, then every response token
+            real_tokens = int(batch.shared.prompt_mask.sum() + batch.shared.resp_mask.sum())
+        else:
+            real_tokens = int(batch.attention_mask.sum())
+        assert [len(r) for r in rows] == [1] * len(rows) and sum(r[0] for r in rows) == real_tokens
+        assert abs(padded[0] - pad_free[0]) < 1e-5, agg
+        assert (padded[1] - pad_free[1]).abs().max() < 1e-5, agg
+        assert padded[2].keys() == pad_free[2].keys()
+        for name, g in padded[2].items():
+            assert (g - pad_free[2][name]).abs().max() < 1e-5 * max(1.0, g.abs().max()), (agg, name)
+
+
+@pytest.mark.parametrize("pad_free", [False, True])
+def test_padding_never_reaches_the_loss(pad_free):
+    """Garbage tokens in every padded position and extra padded columns change nothing."""
+    model = random_model("qwen3", seed=2)
+    samples = group_samples(model, n_prompts=2, n=4, seed=3)
+    clean = pack_samples(samples, share_prompts=False)
+    dirty = pack_samples(samples, share_prompts=False)
+    B, T = clean.input_ids.shape
+    width = T + 7
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, model.config.vocab_size, (B, width), generator=gen)
+    ids[:, :T] = torch.where(clean.attention_mask.bool(), clean.input_ids, ids[:, :T])
+    pad = lambda t: torch.cat([t, t.new_zeros(B, width - T)], dim=1)  # noqa: E731
+    dirty.input_ids, dirty.targets = ids, pad(clean.targets)
+    dirty.attention_mask, dirty.response_mask = pad(clean.attention_mask), pad(clean.response_mask)
+    dirty.response_rows = (clean.response_rows // T) * width + clean.response_rows % T
+    for agg in AGG_MODES:
+        a, b = losses_and_grads(model, clean, pad_free, agg), losses_and_grads(model, dirty, pad_free, agg)
+        assert abs(a[0] - b[0]) < 1e-6, agg
+        for name, g in a[2].items():
+            assert (g - b[2][name]).abs().max() < 1e-6 * max(1.0, g.abs().max()), (agg, name)
