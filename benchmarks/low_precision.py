@@ -7,7 +7,8 @@ For each model and format (FP8 blockwise; INT4 with fp32 and with bf16 kernel ac
 bytes of the projections the engine quantizes (codes + scales) against the same projections in
 fp32 and in bf16, and decoding tokens/s against the fp32 engine on the same prompts at batch 1
 (weight-bandwidth bound) and batch 16, EOS ignored. FP8 is emulated on CPU (dequantize -> fp32
-matmul); INT4 runs torch's CPU INT4 kernel on the packed weights.
+matmul); INT4 with fp32 activations runs in the fused decode step on the codes, with bf16
+activations torch's CPU INT4 kernel on its own packing.
 """
 
 from __future__ import annotations

@@ -800,9 +800,10 @@ class PrecisionSection:
     )
     int4_kernel_activations: str = option(
         "fp32",
-        "activations of the INT4 engine: fp32 (packed weights dequantized per layer, one fp32 matmul: the "
-        "trainer's numbers bit for bit) | bf16 (the INT4 kernel with 16-bit activations, as GPU W4A16 serving "
-        "runs it; faster, adds bf16 rounding to the train/rollout mismatch)",
+        "activations of the INT4 engine: fp32 (the codes dequantized as they are read: on CPU inside the "
+        "fused decode step, elsewhere per layer into one fp32 matmul; the fp32 model on the grid weights) | "
+        "bf16 (torch's INT4 kernel with 16-bit activations, as GPU W4A16 serving runs it; adds bf16 rounding "
+        "to the train/rollout mismatch)",
         choices=("fp32", "bf16"),
     )
 

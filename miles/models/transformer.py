@@ -430,7 +430,7 @@ class Transformer(nn.Module):
 
     def embed_for_forwards(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Token embeddings for a caller that runs several forwards on parts of `input_ids`
-        (length buckets, shared prompts) and passes each its `inputs_embeds`: one embedding
+        (shared prompts: the prompts, then the responses) and passes each its `inputs_embeds`: one embedding
         backward for all of them instead of a vocabulary-sized gradient each. None where the
         weights are sharded (FSDP2 gathers them inside forward only): each forward embeds."""
         weight = self.model.embed_tokens.weight

@@ -3,7 +3,7 @@
 One interface (`DecodeStep`), two implementations:
 
 - `general`: the model's own forward (`miles.models.transformer`), the reference. It runs every
-  model and option (FP8/INT4 layers, batch-invariant routing, expert capacity, sharded or
+  model and option (FP8 layers, INT4 with bf16 activations, batch-invariant routing, expert capacity, sharded or
   offloaded experts, tensor parallelism) on any device: the GPU path.
 - `fused`: the whole step as one C++ call (`steps/fused.cpp`), the CPU default. A row's bits do
   not depend on its batch-mates or the thread count; logits match the general forward's to fp32
@@ -71,7 +71,7 @@ class DecodeStep(Protocol):
 def choose_step(model: Transformer, kind: str = "auto") -> tuple[DecodeStep, str]:
     """The decode step for `model` as it is now, and a sentence saying which and why.
 
-    auto: the fused step where it can run (CPU, fp32, a C++ compiler, plain projections), else
+    auto: the fused step where it can run (CPU, fp32 activations, a C++ compiler, plain or INT4 projections), else
     the general forward. fused: the fused step, or an error naming what stops it."""
     from miles.rollout.steps.fused import FusedStep, fused_unsupported
     from miles.rollout.steps.general import GeneralStep

@@ -7,9 +7,11 @@ rows' (its own KV-cache slot, its own experts), so `fused.cpp` splits the rows o
 threads once and runs each thread's rows through the whole model: one parallel region a step.
 With few rows a thread (SmolLM2 at batch 1 or 16) the threads share each product by 16-column
 units of its output instead, so every weight is read once a step. The projections are register-blocked GEMMs
-on weights transposed and packed once into contiguous column panels (`pack_panels`); each MoE
-layer runs each chosen expert on the rows that chose it; a prefill is the same call on
-sequences of many tokens.
+on weights transposed and packed once into contiguous column panels (`pack_panels`), or on
+INT4 codes in the same panels (`pack_int4_panels`: a quarter of the fp32 bytes to read), which
+each GEMM dequantizes 64 rows at a time into an L1-resident buffer, so an INT4 engine computes
+exactly the fp32 step on its grid weights; each MoE layer runs each chosen expert on the rows
+that chose it; a prefill is the same call on sequences of many tokens.
 
 The source is compiled on first use with the system's C++ compiler (`-O3 -march=native
 -fopenmp`, a few seconds, no torch headers) into a cache directory (`$MILES_KERNEL_CACHE`, else
@@ -20,8 +22,8 @@ polynomial to about 1 ulp), so logits match the general forward's to fp32 roundi
 but a row's arithmetic is its own, so its bits do not depend on its batch-mates, the thread
 count or the split (tests/test_fused_step.py). Speculative verification is the same call on
 rows of k + 1 tokens, with the logits of every token. `train_rollout_logprob_abs_diff` reports the gap
-to the trainer in a run. The packed weights are a second copy of every projection, remade when
-a parameter's version moves (a weight update copies into the parameters in place).
+to the trainer in a run. The packed weights are a second copy of every projection, rewritten in
+place when a parameter's version moves (a weight update copies into the parameters in place).
 """
 
 from __future__ import annotations
