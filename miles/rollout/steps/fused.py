@@ -141,21 +141,34 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def _layer_products(layer: nn.Module) -> dict[str, list[list[nn.Module]]]:
+    """Each product field of fused.cpp's FusedLayer -> its parts, one after another in the packed
+    weight: the whole product (q/k/v together, gate/up together), or one part an expert."""
+    a, mlp = layer.self_attn, layer.mlp
+    products = {"qkv": [[a.q_proj, a.k_proj, a.v_proj]], "o": [[a.o_proj]]}
+    if not isinstance(mlp, MoE):
+        return {**products, "gate_up": [[mlp.gate_proj, mlp.up_proj]], "down": [[mlp.down_proj]]}
+    products.update(
+        router=[[mlp.gate]],
+        gate_up=[[e.gate_proj, e.up_proj] for e in mlp.experts],
+        down=[[e.down_proj] for e in mlp.experts],
+    )
+    if mlp.shared_expert is not None:
+        shared = mlp.shared_expert
+        products.update(
+            shared_gate_up=[[shared.gate_proj, shared.up_proj]],
+            shared_down=[[shared.down_proj]],
+            shared_gate=[[mlp.shared_expert_gate]],
+        )
+    return products
+
+
 def _products(model: Transformer):
-    """The projections the fused step multiplies by as one product each: q/k/v together, gate/up
-    together, each expert's, the router, the LM head."""
+    """The projections the fused step multiplies by as one product each (every expert's weights
+    one after another: one format for all), and the LM head."""
     for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        yield from ([a.q_proj, a.k_proj, a.v_proj], [a.o_proj])
-        if isinstance(mlp, MoE):  # the experts' weights one after another: one format for all
-            yield [mlp.gate]
-            yield [p for e in mlp.experts for p in (e.gate_proj, e.up_proj)]
-            yield [e.down_proj for e in mlp.experts]
-            if mlp.shared_expert is not None:
-                s = mlp.shared_expert
-                yield from ([s.gate_proj, s.up_proj], [s.down_proj], [mlp.shared_expert_gate])
-        else:
-            yield from ([mlp.gate_proj, mlp.up_proj], [mlp.down_proj])
+        for parts in _layer_products(layer).values():
+            yield [m for part in parts for m in part]
     yield [model.lm_head]
 
 
@@ -364,9 +377,17 @@ class FusedStep:
                 held = self._buffers[key] = torch.empty(numel)
             return held
 
-        def weight(key: str, modules: list[nn.Module]) -> _Weight:
-            data, scales, group = _packed(modules, buffer(key, modules))
-            return _Weight(ptr(data), ptr(scales), group)
+        def weight(key: str, parts: list[list[nn.Module]]) -> _Weight:
+            """One product, its parts packed one after another (fp32 straight into its buffer)."""
+            whole = buffer(key, [m for part in parts for m in part])
+            packed, start = [], 0
+            for part in parts:
+                size = sum(m.weight.numel() for m in part)
+                packed.append(_packed(part, None if whole is None else whole[start : start + size]))
+                start += size
+            data = whole if whole is not None else torch.cat([p[0] for p in packed])
+            scales = None if packed[0][1] is None else torch.cat([p[1] for p in packed])
+            return _Weight(ptr(data), ptr(scales), packed[0][2])
 
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
@@ -377,44 +398,21 @@ class FusedStep:
             fields = dict(
                 in_norm=ptr(layer.input_layernorm.weight),
                 post_norm=ptr(layer.post_attention_layernorm.weight),
-                qkv=weight(f"{i}.qkv", list(q)),
                 qkv_bias=ptr(None if a.q_proj.bias is None else torch.cat([p.bias for p in q])),
                 q_norm=ptr(a.q_norm.weight) if a.qk_norm else None,
                 k_norm=ptr(a.k_norm.weight) if a.qk_norm else None,
-                o=weight(f"{i}.o", [a.o_proj]),
                 o_bias=ptr(a.o_proj.bias),
             )
+            for name, parts in _layer_products(layer).items():
+                packed = weight(f"{i}.{name}", parts)
+                fields[name] = packed if name in _WEIGHTS else packed.data  # router, shared gate: fp32 only
             if isinstance(mlp, MoE):
-                experts = list(mlp.experts)
-                inner = experts[0].gate_proj.out_features
-                fields["router"] = ptr(_t([mlp.gate.weight], buffer(f"{i}.router", [mlp.gate])))
-                projections = {
-                    "gate_up": [[e.gate_proj, e.up_proj] for e in experts],
-                    "down": [[e.down_proj] for e in experts],
-                }
-                for name, parts in projections.items():  # the experts one after another
-                    whole = buffer(f"{i}.{name}", [m for part in parts for m in part])
-                    packed, start = [], 0
-                    for part in parts:
-                        size = sum(m.weight.numel() for m in part)
-                        packed.append(_packed(part, None if whole is None else whole[start : start + size]))
-                        start += size
-                    data = whole if whole is not None else torch.cat([p[0] for p in packed])
-                    scales = None if packed[0][1] is None else torch.cat([p[1] for p in packed])
-                    fields[name] = _Weight(ptr(data), ptr(scales), packed[0][2])
+                inner = mlp.experts[0].gate_proj.out_features
                 if mlp.shared_expert is not None:
-                    shared = mlp.shared_expert
-                    fields["shared_gate_up"] = weight(
-                        f"{i}.shared_gate_up", [shared.gate_proj, shared.up_proj]
-                    )
-                    fields["shared_down"] = weight(f"{i}.shared_down", [shared.down_proj])
-                    fields["shared_gate"] = ptr(_t([mlp.shared_expert_gate.weight]))
-                    fields["shared_inner"] = shared.gate_proj.out_features
+                    fields["shared_inner"] = mlp.shared_expert.gate_proj.out_features
                     largest = max(largest, fields["shared_inner"])
             else:
                 inner = mlp.gate_proj.out_features
-                fields["gate_up"] = weight(f"{i}.gate_up", [mlp.gate_proj, mlp.up_proj])
-                fields["down"] = weight(f"{i}.down", [mlp.down_proj])
             fields["inner"], largest = inner, max(largest, inner)
             for name, value in fields.items():
                 setattr(self.table[i], name, value)
