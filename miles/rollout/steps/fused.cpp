@@ -6,7 +6,7 @@
 // per operator. With few tokens a thread, the threads work on every product together, each on
 // its share of the outputs in 16-column units (Team), so each weight is read once. The projections are GEMMs
 // on weights transposed, (in, out), and packed in contiguous column panels of 64; a
-// register-blocked kernel of up to 4 rows x 64 outputs streams a panel once per 128 rows; each
+// register-blocked kernel of up to 6 rows x 64 outputs streams a panel once per 128 rows; each
 // MoE layer runs each chosen expert on the rows that chose it. A token's arithmetic never
 // depends on which other tokens share its call, its row block or its thread.
 //
@@ -125,26 +125,29 @@ inline vf as_float(vi x) { return {(v8)x.lo, (v8)x.hi}; }
 // The GEMM's register block in the machine's own vector width. A 16-float vector on a CPU
 // without AVX-512 is lowered by GCC through memory (each broadcast and accumulator on the
 // stack: ~3 GFLOP/s), so there the block uses 8-float vectors and at most one 16-column unit
-// (4 rows x 2 vectors: 8 of the 16 registers). Every output is the same sum over k in the same
+// (6 rows x 2 vectors: 12 of the 16 registers). Every output is the same sum over k in the same
 // order whatever the block, so the bits do not depend on it.
 #if defined(__AVX512F__)
 typedef float vg __attribute__((vector_size(64)));
-constexpr int MAX_NV = 4;  // 4 rows x 4 vectors: 16 of the 32 registers
+constexpr int MAX_NV = 4;  // 6 rows x 4 vectors: 24 of the 32 registers
 #else
 typedef float vg __attribute__((vector_size(32)));
-constexpr int MAX_NV = 1;
+constexpr int MAX_NV = 1;  // 6 rows x 2 vectors: 12 of the 16 registers
 #endif
+constexpr int64_t MB = 6;  // rows of a register block
 typedef float vgu __attribute__((vector_size(sizeof(vg)), aligned(4)));
 constexpr int64_t GW = sizeof(vg) / sizeof(float), PER_UNIT = W / GW;  // floats, vectors per 16 columns
 
 // Rows of B requested this far ahead of the FMAs: with a few rows of A the block's arithmetic
 // stalls the loads of a weight streamed from memory, and the hardware prefetcher alone falls
-// behind (without it, 4 rows of a decode step cost ~1.4x one row on SmolLM2; with it ~1.05x).
-constexpr int64_t PREFETCH_AHEAD = 32;
+// behind. Only the row block that streams a run from memory requests (the others read it from
+// L1). A short distance measured best (8 rows: 2 KB ahead of each unit at 64 columns; 32 was
+// ~10% slower over a SmolLM2 decode step at 64 rows, and no faster at 1 or 16).
+constexpr int64_t PREFETCH_AHEAD = 8;
 // C[MR x NV*16] (+)= A[MR x K] @ B[K x NV*16] (row strides lda, ldb, ldc); `add`: onto C's
 // partial sums (a later run of k: the same sum in the same order as one run over all k).
 // `ahead`: `lines` cache lines from there are requested over the K steps (see panel()).
-template <int MR, int NV>
+template <int MR, int NV, bool STREAM>
 inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
                   int64_t ldc, bool add = false, const float *ahead = nullptr, int64_t lines = 0) {
   constexpr int V = NV * PER_UNIT;
@@ -154,7 +157,8 @@ inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_
     for (int j = 0; j < V; j++) c[i][j] = add ? *reinterpret_cast<const vgu *>(C + i * ldc + j * GW) : vg{};
   for (int64_t k = 0; k < K; k++) {
     vg b[V];
-    for (int j = 0; j < NV; j++) __builtin_prefetch(B + (k + PREFETCH_AHEAD) * ldb + j * W, 0, 3);
+    if constexpr (STREAM)
+      for (int j = 0; j < NV; j++) __builtin_prefetch(B + (k + PREFETCH_AHEAD) * ldb + j * W, 0, 3);
     for (int64_t l = 0; l < per_step && lines > 0; l++, lines--, ahead += W) __builtin_prefetch(ahead, 0, 3);
     for (int j = 0; j < V; j++) b[j] = *reinterpret_cast<const vgu *>(B + k * ldb + j * GW);
     for (int i = 0; i < MR; i++) {
@@ -166,12 +170,28 @@ inline void block(int64_t K, const float *A, int64_t lda, const float *B, int64_
     for (int j = 0; j < V; j++) *reinterpret_cast<vgu *>(C + i * ldc + j * GW) = c[i][j];
 }
 
+// block() on the next min(rows, MB) rows (MB rows x MAX_NV vectors: 24 of AVX-512's 32 registers
+// accumulate, so each k step's weight loads serve 6 rows' FMAs instead of 4)
+template <int NV, bool STREAM>
+inline void rows_block(int64_t rows, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+                       int64_t ldc, bool add, const float *ahead = nullptr, int64_t lines = 0) {
+  switch (std::min<int64_t>(rows, MB)) {
+    case 6: block<6, NV, STREAM>(K, A, lda, B, ldb, C, ldc, add, ahead, lines); break;
+    case 5: block<5, NV, STREAM>(K, A, lda, B, ldb, C, ldc, add, ahead, lines); break;
+    case 4: block<4, NV, STREAM>(K, A, lda, B, ldb, C, ldc, add, ahead, lines); break;
+    case 3: block<3, NV, STREAM>(K, A, lda, B, ldb, C, ldc, add, ahead, lines); break;
+    case 2: block<2, NV, STREAM>(K, A, lda, B, ldb, C, ldc, add, ahead, lines); break;
+    case 1: block<1, NV, STREAM>(K, A, lda, B, ldb, C, ldc, add, ahead, lines); break;
+    default: break;
+  }
+}
+
 constexpr int64_t PANEL = 64;  // columns of a packed weight panel
 // Rows of a panel that every row block works through while they are in L1 (KC x PANEL floats).
 constexpr int64_t KC = 64;
 
 // C[R x NV*16] = A[R x K] @ B[K x NV*16] (B's row stride ldb): one column panel (in strips of
-// MAX_NV units), its rows in blocks of 4. With more than one row block the panel is worked in
+// MAX_NV units), its rows in blocks of MB. With more than one row block the panel is worked in
 // runs of KC of its rows: the first row block streams a run from memory, the others read it
 // from L1 and meanwhile request the following run (or `next`, the first of the next panel's),
 // so memory streams weights while every row block computes (one block per panel pass instead:
@@ -183,24 +203,21 @@ inline void panel(int64_t R, int64_t K, const float *A, const float *B, int64_t 
     panel<MAX_NV>(R, K, A, B, ldb, C, ldc, next, next_floats);
     panel<NV - MAX_NV>(R, K, A, B + MAX_NV * W, ldb, C + MAX_NV * W, ldc);
   } else {
-    const int64_t blocks = (R + 3) / 4, run = blocks > 1 ? KC : K;
+    const int64_t blocks = (R + MB - 1) / MB, run = blocks > 1 ? KC : K;
     for (int64_t k0 = 0; k0 < K; k0 += run) {
       const int64_t kc = std::min(run, K - k0);
       const float *follow = k0 + kc < K ? B + (k0 + kc) * ldb : next;
       const int64_t follow_lines =
           (k0 + kc < K ? std::min(run, K - k0 - kc) * ldb : std::min(next_floats, KC * PANEL)) / W;
       const float *a = A + k0, *b = B + k0 * ldb;
-      for (int64_t j = 0, r = 0; r < R; j++, r += 4) {  // row block j takes its share of the requests
+      for (int64_t j = 0, r = 0; r < R; j++, r += MB) {  // row block j takes its share of the requests
         const int64_t first = j == 0 ? 0 : follow_lines * (j - 1) / (blocks - 1);
         const int64_t lines = j == 0 ? 0 : follow_lines * j / (blocks - 1) - first;
         const float *ahead = follow ? follow + first * W : nullptr;
-        switch (std::min<int64_t>(R - r, 4)) {
-          case 4: block<4, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
-          case 3: block<3, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
-          case 2: block<2, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
-          case 1: block<1, NV>(kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines); break;
-          default: break;
-        }
+        if (j == 0)  // the first row block streams the run from memory; the others read it from L1
+          rows_block<NV, true>(R - r, kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines);
+        else
+          rows_block<NV, false>(R - r, kc, a + r * K, K, b, ldb, C + r * ldc, ldc, k0 > 0, ahead, lines);
       }
     }
   }
@@ -216,7 +233,7 @@ inline int64_t units(int64_t N) { return (N + W - 1) / W; }
 // (+ bias). B is the (in, out) weight packed in column panels: panel p, columns [64p, min(64p + 64,
 // N)), lies contiguous as K rows of its width, so a panel is one sequential read of memory (a
 // share of its units, a strided one). Each panel is read once per ROW_CHUNK rows (once for a
-// decode step's rows) while the rows stream through it in blocks of 4. Splitting the threads by
+// decode step's rows) while the rows stream through it in blocks of MB. Splitting the threads by
 // units rather than panels keeps a 576-wide product even over two (9 panels would go 5/4).
 void gemm_range(int64_t R, int64_t K, int64_t N, const float *A, const float *B, const float *bias, float *C,
                 int64_t u0, int64_t u1) {
@@ -293,15 +310,8 @@ inline void panel_int4(int64_t R, int64_t K, const float *A, const uint8_t *B, i
         const float *scale = S + (k0 + k) / G * lds;
         for (int j = 0; j < NV; j++) dequant16(row + j * W / 2, scale + j * W, buf + (k * NV + j) * W);
       }
-      for (int64_t r = 0; r < R; r += 4) {
-        switch (std::min<int64_t>(R - r, 4)) {
-          case 4: block<4, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
-          case 3: block<3, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
-          case 2: block<2, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
-          case 1: block<1, NV>(kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0); break;
-          default: break;
-        }
-      }
+      for (int64_t r = 0; r < R; r += MB)
+        rows_block<NV, false>(R - r, kc, A + r * K + k0, K, buf, NV * W, C + r * ldc, ldc, k0 > 0);
     }
   }
 }
