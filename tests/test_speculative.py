@@ -12,11 +12,11 @@ import torch
 from miles.models.eagle import EagleHead
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.drafts import EagleDraft, ModelDraft, NgramDraft, auto_draft
+from miles.rollout.sampling import draw
 from miles.rollout.speculative import (
     Speculator,
     accept,
     best_lookahead,
-    draw,
     expected_tokens_per_pass,
     sampling_probs,
     tokens_per_pass_by_position,

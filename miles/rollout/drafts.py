@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from miles.errors import ConfigError, MilesError
 from miles.models.eagle import EagleHead, draft_logits, load_head
 from miles.models.transformer import Transformer
-from miles.rollout.speculative import draw, sampling_probs
+from miles.rollout.sampling import draw
+from miles.rollout.speculative import sampling_probs
 from miles.rollout.steps import DecodeStep, choose_step
 
 log = logging.getLogger("miles")

@@ -153,8 +153,7 @@ class Engine:
             "" if self.cache.paged else " (allocated whole on this device)",
         )  # fmt: skip
         self._reserved = 0  # KV-cache tokens reserved by the requests running (each its worst case)
-        vocab = model.lm_head.weight.shape[0]
-        self.sampler = Sampler(self.slots, vocab, self.device, draw_ahead=speculator is None)
+        self.sampler = Sampler(self.device)
         self.weight_version = 0
         self.restarts = 0  # an in-process engine is never restarted (the Ray manager's count)
         self.is_moe = model.config.is_moe
@@ -437,7 +436,6 @@ class Engine:
             )
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
             self._running[state.slot] = state
-            self.sampler.reset(state.slot)
             if self.draft is not None:
                 self.draft.reset(state.slot)
             new.append(state)
@@ -601,11 +599,7 @@ class Engine:
         """Sample one token for each state from `logits` (computed from `hidden`); finish the ones
         that stop."""
         tokens, logprobs = self.sampler.sample(
-            logits,
-            [s.request for s in states],
-            [s.slot for s in states],
-            [s.generator for s in states],
-            [s.request.params.max_new_tokens - len(s.response) for s in states],
+            logits, [s.request for s in states], [s.generator for s in states]
         )
         finished = []
         for b, (s, tok, lp) in enumerate(zip(states, tokens.tolist(), logprobs.tolist())):

@@ -5,14 +5,16 @@ the temperature-scaled distribution over the whole vocabulary, before top-k/top-
 (with temperature 0, greedy, it is log softmax(logits)). The trainer computes the same quantity
 with `miles.algo.token_logprobs(logits, tokens, temperature)`.
 
-Sampling uses the Gumbel-max trick with noise from each request's own generator, so a request's
-tokens depend on its seed alone, never on which other requests share the batch.
+A token is drawn by inverting the CDF of its distribution at one uniform from the request's own
+generator (`draw`), so a request's tokens depend on its seed alone, never on which other
+requests share the batch; one number a row and step (Gumbel-max would draw one per vocabulary
+entry: at a 49k vocabulary and 64 rows, most of a SmolLM2 step's sampling time).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +22,6 @@ import torch
 from miles.algo.logprobs import tempered
 from miles.data.sample import Sample
 from miles.errors import MilesError
-from miles.rollout.noise import NoiseBank, gumbel_, rows_ahead
 
 
 @dataclass
@@ -74,14 +75,18 @@ def scale_by_temperature(
     return tempered(logits, t.reshape(-1, *([1] * (logits.dim() - 1)))), greedy
 
 
-def gumbel_noise(generators: list[torch.Generator], vocab: int) -> torch.Tensor:
-    """-log(-log(u)) with u ~ U(0, 1) drawn row by row from each request's generator, (B, V) on
-    CPU. Filled in place: at a 49k vocabulary every temporary is megabytes. (Filling half the
-    rows from a second thread was measured no faster on 2 cores.)"""
-    noise = torch.empty(len(generators), vocab)
-    for row, g in zip(noise, generators):
-        row.uniform_(generator=g)  # the numbers torch.rand(vocab, generator=g) draws
-    return gumbel_(noise)
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs (B, V), row b with generator b, by inverting the CDF at one
+    uniform: exact (a token of zero mass is never drawn), on CPU whatever the device of `probs`,
+    so the same seed draws the same token from the same probabilities anywhere."""
+    cdf = probs.float().cpu().cumsum(-1)
+    u = torch.stack([torch.rand((), generator=g) for g in generators]) * cdf[:, -1]
+    picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # first index whose cdf exceeds u
+    over = picked >= probs.shape[-1]  # u rounded up to the total: the last token of nonzero mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs[over].cpu().flip(-1) > 0).to(torch.int8).argmax(-1)
+        picked[over] = last
+    return picked
 
 
 def sample_tokens(
@@ -90,25 +95,19 @@ def sample_tokens(
     top_k: torch.Tensor,  # (B,) int
     top_p: torch.Tensor,  # (B,)
     generators: list[torch.Generator],
-    draw_noise: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature).
-
-    The Gumbel noise is each generator's next row, or `draw_noise()` when given (the engine's
-    rows drawn ahead, `miles.rollout.noise.NoiseBank`: the same numbers)."""
+    """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature); each
+    sampled row draws one number from its generator (`draw`), greedy rows take the argmax."""
     scaled, greedy = scale_by_temperature(logits, temperature)
     logprobs_all = scaled.log_softmax(-1)
     if bool(greedy.all()):
         tokens = logits.argmax(-1)
     else:
-        restricted = scaled
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):  # the sort costs ~25% at 49k vocab
-            restricted = allowed_logits(scaled, top_k, top_p)
-        # drawn on CPU by each request's own generator: the same seed samples the same token on
-        # any device, and no batch-mate changes it
-        noise = draw_noise() if draw_noise is not None else gumbel_noise(generators, logits.shape[-1])
-        noise = noise.to(logits.device)
-        tokens = noise.add_(restricted).argmax(-1)
+            probs = allowed_logits(scaled, top_k, top_p).softmax(-1)
+        else:
+            probs = logprobs_all.exp()
+        tokens = draw(probs, generators).to(logits.device)
         if bool(greedy.any()):
             tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logprobs_all.gather(-1, tokens[:, None]).squeeze(-1)
@@ -116,19 +115,11 @@ def sample_tokens(
 
 class Sampler:
     """The engine's sampler: each running request's next token from its own parameters and its
-    own generator. Sampling parameters are kept as tensors while the same requests run, and the
-    noise of plain decoding is drawn a few rows ahead per slot (`NoiseBank`, the same numbers);
-    speculative decoding draws from the same generators in between, so it draws as it goes."""
+    own generator. Sampling parameters are kept as tensors while the same requests run."""
 
-    def __init__(self, slots: int, vocab: int, device: torch.device, draw_ahead: bool = True) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.noise = NoiseBank(slots, vocab) if draw_ahead and rows_ahead(slots, vocab) > 1 else None
         self._cached: tuple[list, tuple[torch.Tensor, ...]] | None = None
-
-    def reset(self, slot: int) -> None:
-        """A new request took `slot`."""
-        if self.noise is not None:
-            self.noise.reset(slot)
 
     def params(self, requests: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature, top_k, top_p) per request (objects with `.params`); reused while the same
@@ -150,22 +141,10 @@ class Sampler:
         return made
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        requests: list,
-        slots: list[int],
-        generators: list[torch.Generator],
-        left: list[int],
+        self, logits: torch.Tensor, requests: list, generators: list[torch.Generator]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, log-probs) for each row of `logits` (B, V); `left`: tokens each request may
-        still sample (how far ahead its noise may be drawn)."""
-        draw = None
-        if self.noise is not None:
-
-            def draw() -> torch.Tensor:
-                return self.noise.take(slots, generators, left)
-
-        return sample_tokens(logits, *self.params(requests), generators, draw)
+        """(tokens, log-probs) for each row of `logits` (B, V)."""
+        return sample_tokens(logits, *self.params(requests), generators)
 
 
 @dataclass

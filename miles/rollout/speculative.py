@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles.rollout.sampling import allowed_logits, scale_by_temperature
+from miles.rollout.sampling import allowed_logits, draw, scale_by_temperature
 
 
 def sampling_probs(
@@ -50,19 +50,6 @@ def verify_probs(
     if bool(greedy.any()) or bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         return sampling_probs(logits, temperature, top_k, top_p), logp
     return logp.exp(), logp
-
-
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs (B, V), row b with generator b, by inverting the CDF at one
-    uniform: exact, and a fraction of torch.multinomial's cost per call at a few rows."""
-    cdf = probs.float().cpu().cumsum(-1)
-    u = torch.stack([torch.rand((), generator=g) for g in generators]) * cdf[:, -1]
-    picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # first index whose cdf exceeds u
-    over = picked >= probs.shape[-1]  # u rounded up to the total: the last token of nonzero mass
-    if bool(over.any()):
-        last = probs.shape[-1] - 1 - (probs[over].cpu().flip(-1) > 0).to(torch.int8).argmax(-1)
-        picked[over] = last
-    return picked
 
 
 def accept(
