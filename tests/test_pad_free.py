@@ -9,6 +9,7 @@ import torch
 
 from miles.algo.losses import policy_loss
 from miles.algo.masked import AGG_MODES
+from miles.data.sample import Sample
 from miles.train.batch import forward_logprobs, pack_samples
 from tests.conftest import random_model
 from tests.test_shared_prompt import group_samples
@@ -59,6 +60,26 @@ def test_pad_free_gives_the_padded_loss_and_gradients(arch, share, monkeypatch):
         assert padded[2].keys() == pad_free[2].keys()
         for name, g in padded[2].items():
             assert (g - pad_free[2][name]).abs().max() < 1e-5 * max(1.0, g.abs().max()), (agg, name)
+
+
+@pytest.mark.parametrize("pad_free", [False, True])
+def test_one_token_responses_train_with_shared_prompts(pad_free):
+    """Every response a single token (an immediate EOS): the responses' pass has no input token
+    at all; the loss and gradients are still the plain forward's."""
+    model = random_model("qwen3_moe", seed=4)
+    one = [
+        Sample(tokens=s.tokens[: s.prompt_length + 1], response_length=1,
+               rollout_routed_experts=s.rollout_routed_experts[: s.prompt_length])
+        for s in group_samples(model, n_prompts=2, n=4, seed=2)
+    ]  # fmt: skip
+    shared = pack_samples(one, replay_routing=True, share_prompts=True)
+    assert shared.shared is not None and not shared.shared.resp_mask.any()
+    for agg in AGG_MODES:
+        want = losses_and_grads(model, pack_samples(one, replay_routing=True), False, agg)
+        got = losses_and_grads(model, shared, pad_free, agg)
+        assert abs(want[0] - got[0]) < 1e-5 and (want[1] - got[1]).abs().max() < 1e-5, agg
+        for name, g in want[2].items():
+            assert (g - got[2][name]).abs().max() < 1e-5 * max(1.0, g.abs().max()), (agg, name)
 
 
 @pytest.mark.parametrize("pad_free", [False, True])

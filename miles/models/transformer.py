@@ -362,7 +362,9 @@ class DecoderLayer(nn.Module):
             return h + self.mlp(x), pair, None, None
         lead = h.shape[:-1]
         y, logits, ids = self.mlp(x.reshape(-1, x.shape[-1]), forced, valid)
-        return h + y.view(*lead, -1), pair, logits.view(*lead, -1), ids.view(*lead, -1)
+        # explicit widths: a pass of no tokens (every response one token long) has no -1 to infer
+        width = lambda t: t.view(*lead, t.shape[-1])  # noqa: E731
+        return h + width(y), pair, width(logits), width(ids)
 
 
 class Backbone(nn.Module):
