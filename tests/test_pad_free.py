@@ -10,6 +10,7 @@ import torch
 from miles.algo.losses import policy_loss
 from miles.algo.masked import AGG_MODES
 from miles.data.sample import Sample
+from miles.train import shared_prompt
 from miles.train.batch import forward_logprobs, pack_samples
 from tests.conftest import random_model
 from tests.test_shared_prompt import group_samples
@@ -34,12 +35,21 @@ def losses_and_grads(model, batch, pad_free: bool, agg: str):
 
 
 @pytest.mark.parametrize(
-    "arch, share", [("qwen3", False), ("qwen3", True), ("qwen3_moe", False), ("qwen3_moe", True)]
+    "arch, share",
+    [(a, s) for a in ("qwen3", "qwen3_moe") for s in ("no", "split", "packed")],
 )
 def test_pad_free_gives_the_padded_loss_and_gradients(arch, share, monkeypatch):
+    """Plain rows, shared prompts split (two passes) and packed (a group a row)."""
+    monkeypatch.setattr(shared_prompt, "PACK_RATIO", float("inf") if share == "packed" else 0.0)
     model = random_model(arch, seed=5)
     samples = group_samples(model, n_prompts=3, n=4, seed=1)
-    batch = pack_samples(samples, replay_routing=arch.endswith("moe"), share_prompts=share)
+    batch = pack_samples(samples, replay_routing=arch.endswith("moe"), share_prompts=share != "no")
+    plan = batch.shared
+    if share == "no":  # every row's real tokens
+        real_tokens = int(batch.attention_mask.sum())
+    else:  # each prompt once, then every response token
+        assert (plan.group_ids is not None) == (share == "packed")
+        real_tokens = int(plan.prompt_mask.sum() + plan.resp_mask.sum())
     rows = []  # what the first layer's q_proj is given
     q_proj = model.model.layers[0].self_attn.q_proj
     real = q_proj.forward
@@ -47,13 +57,9 @@ def test_pad_free_gives_the_padded_loss_and_gradients(arch, share, monkeypatch):
     for agg in AGG_MODES:
         rows.clear()
         padded = losses_and_grads(model, batch, False, agg)
-        assert sum(r.numel() for r in rows) > sum(len(s.tokens) - 1 for s in samples)  # padding ran
+        assert sum(r.numel() for r in rows) > real_tokens  # padding ran
         rows.clear()
         pad_free = losses_and_grads(model, batch, True, agg)
-        if share:  # each prompt once, then every response token
-            real_tokens = int(batch.shared.prompt_mask.sum() + batch.shared.resp_mask.sum())
-        else:
-            real_tokens = int(batch.attention_mask.sum())
         assert [len(r) for r in rows] == [1] * len(rows) and sum(r[0] for r in rows) == real_tokens
         assert abs(padded[0] - pad_free[0]) < 1e-5, agg
         assert (padded[1] - pad_free[1]).abs().max() < 1e-5, agg
@@ -62,10 +68,12 @@ def test_pad_free_gives_the_padded_loss_and_gradients(arch, share, monkeypatch):
             assert (g - pad_free[2][name]).abs().max() < 1e-5 * max(1.0, g.abs().max()), (agg, name)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("pad_free", [False, True])
-def test_one_token_responses_train_with_shared_prompts(pad_free):
-    """Every response a single token (an immediate EOS): the responses' pass has no input token
-    at all; the loss and gradients are still the plain forward's."""
+def test_one_token_responses_train_with_shared_prompts(pad_free, packed, monkeypatch):
+    """Every response a single token (an immediate EOS): the responses' pass (split layout) has
+    no input token at all; the loss and gradients are still the plain forward's."""
+    monkeypatch.setattr(shared_prompt, "PACK_RATIO", float("inf") if packed else 0.0)
     model = random_model("qwen3_moe", seed=4)
     one = [
         Sample(tokens=s.tokens[: s.prompt_length + 1], response_length=1,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from miles.rollout import Engine, Request, SamplingParams
+from miles.train import shared_prompt
 from miles.train.batch import forward_logprobs, pack_samples
 from tests.conftest import ARCHS, random_model
 
@@ -23,10 +24,14 @@ def group_samples(model, n_prompts: int = 3, n: int = 4, seed: int = 0):
     return engine.generate(requests)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(
     "arch, replay", [(a, False) for a in ARCHS] + [(a, True) for a in ARCHS if a.endswith("moe")]
 )
-def test_shared_prompt_forward_equals_the_full_forward(arch, replay):
+def test_shared_prompt_forward_equals_the_full_forward(arch, replay, packed, monkeypatch):
+    """Split (prompts, then responses on their keys and values) and packed (a group a row)
+    layouts, each forced, give the full forward's log-probs, entropies, routing and gradients."""
+    monkeypatch.setattr(shared_prompt, "PACK_RATIO", float("inf") if packed else 0.0)
     model = random_model(arch, seed=3)
     samples = group_samples(model)
     assert len({len(s.tokens) for s in samples}) > 2  # the padding is really exercised
@@ -36,6 +41,11 @@ def test_shared_prompt_forward_equals_the_full_forward(arch, replay):
     )
     assert full_batch.shared is None and shared_batch.shared is not None
     assert shared_batch.shared.prompt_ids.shape[0] == 3  # three distinct prompts, each run once
+    assert (shared_batch.shared.group_ids is not None) == packed
+    if packed:  # a row a group: each prompt once, then every response input token
+        plan = shared_batch.shared
+        assert plan.group_ids.shape[0] == 3
+        assert int(plan.group_valid.sum()) == int(plan.prompt_mask.sum() + plan.resp_mask.sum())
 
     results = []
     # the plain forward with full logits (the oracle), then the LM head on response rows only,

@@ -460,6 +460,7 @@ class Transformer(nn.Module):
         rope_positions: torch.Tensor
         | None = None,  # M-RoPE (3, B, T); default: from the images, else positions
         pad_free: bool = False,  # full sequences: per-token work on the real tokens alone (`Layout`)
+        attend: torch.Tensor | None = None,  # (B, T, T) bool: who may attend whom (default: causal)
     ) -> ModelOutput:
         """Logits for every position.
 
@@ -481,7 +482,8 @@ class Transformer(nn.Module):
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         if cache is None:
             idx = torch.arange(T, device=device)
-            mask = (idx[None, :] <= idx[:, None])[None] & attention_mask[:, None, :]
+            causal = (idx[None, :] <= idx[:, None])[None] if attend is None else attend
+            mask = causal & attention_mask[:, None, :]
             mask = mask | torch.eye(T, dtype=torch.bool, device=device)  # pad rows: no empty softmax
             if prefix is not None:
                 seen = prefix.mask[prefix.rows][:, None, :].expand(B, T, -1)

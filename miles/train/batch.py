@@ -45,8 +45,14 @@ class PackedBatch:
 
 
 def pack_samples(
-    samples: Sequence[Sample], replay_routing: bool = False, share_prompts: bool = False
+    samples: Sequence[Sample],
+    replay_routing: bool = False,
+    share_prompts: bool = False,
+    pack_groups: bool = True,
 ) -> PackedBatch:
+    """`samples` right-padded; with `share_prompts` each group's prompt planned once
+    (`miles.train.shared_prompt`), in the packed layout where it is the cheaper and `pack_groups`
+    allows it (not where ranks must agree on the number of forwards)."""
     lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
     prompts = lengths - np.array([s.response_length for s in samples], dtype=np.int64)
     B, T = len(samples), int(lengths.max())
@@ -71,7 +77,9 @@ def pack_samples(
     images = [s.multimodal_train_inputs for s in samples]
     images = images if any(x is not None for x in images) else None
     # image prompts run whole: a shared prompt's keys and values would need its pixels per group
-    shared = plan_shared_prompts(samples, replay_routing) if share_prompts and images is None else None
+    shared = None
+    if share_prompts and images is None:
+        shared = plan_shared_prompts(samples, replay_routing, pack_groups)
     forced = None
     if replay_routing and shared is None:  # the shared-prompt plan carries its own routing
         forced = recorded_routing(samples, T - 1)

@@ -79,17 +79,22 @@ def shares_prompts(cfg: RunConfig) -> bool:
     )
 
 
+def sharded(cfg: RunConfig, world: int) -> bool:
+    """FSDP over several ranks: every rank's forwards must agree in number and shape (each
+    gathers the weights), whatever its own samples."""
+    return world > 1 and cfg.train.data_parallel == "fsdp"
+
+
 def uses_pad_free(cfg: RunConfig, world: int) -> bool:
     """Whether training forwards run pad-free (`Transformer.forward`): the same cases as prompt
     sharing (the forward's shape must not change what a token computes), and not under FSDP over
-    several ranks (every rank's forwards must agree in shape: each gathers the weights)."""
-    sharded = world > 1 and cfg.train.data_parallel == "fsdp"
+    several ranks (`sharded`)."""
     return (
         cfg.train.pad_free
         and cfg.train.moe_capacity_factor is None
         and cfg.train.expert_model_parallel_size == 1
         and not cfg.algo.deterministic_expert_routing
-        and not sharded
+        and not sharded(cfg, world)
     )
 
 
@@ -348,7 +353,12 @@ class PolicyTrainer:
         out: list[torch.Tensor | None] = [None] * len(samples)
         for part in self.micro_batches(range(len(samples)), samples):
             chunk = [samples[i] for i in part]
-            batch = pack_samples(chunk, self.cfg.algo.use_r3 and replay, shares_prompts(self.cfg))
+            batch = pack_samples(
+                chunk,
+                self.cfg.algo.use_r3 and replay,
+                shares_prompts(self.cfg),
+                not sharded(self.cfg, self.world),
+            )
             result = forward_logprobs(
                 model, batch, temperature, bool(topk), uses_pad_free(self.cfg, self.world)
             )
@@ -496,7 +506,9 @@ class PolicyTrainer:
         """This micro-batch's share of the global batch's loss (its sums / `denominator`), and
         its metrics: the `ADDITIVE_METRICS` as shares, the rest as this micro-batch's means."""
         cfg, algo = self.cfg, self.cfg.algo
-        batch: PackedBatch = pack_samples(samples, algo.use_r3, shares_prompts(cfg)).to(self.device)
+        batch: PackedBatch = pack_samples(
+            samples, algo.use_r3, shares_prompts(cfg), not sharded(cfg, self.world)
+        ).to(self.device)
         result = forward_logprobs(
             self.model,
             batch,
