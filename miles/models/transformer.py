@@ -469,7 +469,9 @@ class Transformer(nn.Module):
         every cached position up to their own (pad tokens must take positions after the real ones).
         With `prefix` (training on groups that share a prompt): row b first attends to the keys
         and values of prefix row `prefix.rows[b]`, collected by an earlier `collect_kv=True` pass,
-        so a prompt is computed once per group and its gradient sums over the group.
+        so a prompt is computed once per group and its gradient sums over the group. With
+        `attend` (full sequences), who may attend whom replaces the causal rule, among each row's
+        real tokens (a packed group: each response its prompt and itself).
         `pad_free` (full sequences): everything but attention runs on the real tokens alone, one
         GEMM a projection over all of them; padding positions' outputs are zeros.
         """
