@@ -170,7 +170,9 @@ def test_slow_weight_sync(runs, healthy):
     run, slow = load_run(healthy), load_run(bad)
     for n in (2, 4):
         assert weight_sync_share(replace(run, records=[slow.steps[0], *run.steps[1:n]]), None) is None
-    assert weight_sync_share(replace(run, records=slow.steps[:2]), None) is not None
+    # two steady steps of the slow run are the setting (its first also warms up: a longer step,
+    # a smaller share, which a busy machine can push under the threshold)
+    assert weight_sync_share(replace(run, records=slow.steps[1:3]), None) is not None
 
 
 def test_truncation(runs):
