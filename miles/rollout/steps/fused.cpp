@@ -141,9 +141,11 @@ constexpr int64_t GW = sizeof(vg) / sizeof(float), PER_UNIT = W / GW;  // floats
 // Rows of B requested this far ahead of the FMAs: with a few rows of A the block's arithmetic
 // stalls the loads of a weight streamed from memory, and the hardware prefetcher alone falls
 // behind. Only the row block that streams a run from memory requests (the others read it from
-// L1). A short distance measured best (8 rows: 2 KB ahead of each unit at 64 columns; 32 was
-// ~10% slower over a SmolLM2 decode step at 64 rows, and no faster at 1 or 16).
-constexpr int64_t PREFETCH_AHEAD = 8;
+// L1). For fp32 panels a short distance measured best (8 rows, 2 KB of a 64-column panel; 32
+// was ~10% slower over a SmolLM2 decode step at 64 rows, and no faster at 1 or 16). An INT4
+// panel's row is an eighth of the bytes, so it looks further ahead in rows (32 rows, 1 KB: at 8
+// a SmolLM2 INT4 step at batch 1 took ~1.35x as long).
+constexpr int64_t PREFETCH_AHEAD = 8, INT4_PREFETCH_AHEAD = 32;
 // C[MR x NV*16] (+)= A[MR x K] @ B[K x NV*16] (row strides lda, ldb, ldc); `add`: onto C's
 // partial sums (a later run of k: the same sum in the same order as one run over all k).
 // `ahead`: `lines` cache lines from there are requested over the K steps (see panel()).
@@ -306,7 +308,7 @@ inline void panel_int4(int64_t R, int64_t K, const float *A, const uint8_t *B, i
       const int64_t kc = std::min(KC, K - k0);
       for (int64_t k = 0; k < kc; k++) {
         const uint8_t *row = B + (k0 + k) * ldb;
-        __builtin_prefetch(row + PREFETCH_AHEAD * ldb, 0, 3);
+        __builtin_prefetch(row + INT4_PREFETCH_AHEAD * ldb, 0, 3);
         const float *scale = S + (k0 + k) / G * lds;
         for (int j = 0; j < NV; j++) dequant16(row + j * W / 2, scale + j * W, buf + (k * NV + j) * W);
       }
