@@ -167,7 +167,7 @@ def image_requests(groups: int = 3, n: int = 3):
 
 def test_rollout_logprobs_equal_the_trainers_on_image_prompts(pair):
     """The engine (prefill with the images and M-RoPE, decode from each row's rotary offset)
-    reports the log-probs the trainer computes on its own path (micro-batches, length buckets)."""
+    reports the log-probs the trainer computes on its own path (micro-batches, pad-free)."""
     from miles.config import make_config
     from miles.rollout.engine import Engine
     from miles.train.policy_trainer import PolicyTrainer

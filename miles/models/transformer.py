@@ -363,8 +363,8 @@ class DecoderLayer(nn.Module):
         lead = h.shape[:-1]
         y, logits, ids = self.mlp(x.reshape(-1, x.shape[-1]), forced, valid)
         # explicit widths: a pass of no tokens (every response one token long) has no -1 to infer
-        width = lambda t: t.view(*lead, t.shape[-1])  # noqa: E731
-        return h + width(y), pair, width(logits), width(ids)
+        y, logits, ids = (t.view(*lead, t.shape[-1]) for t in (y, logits, ids))
+        return h + y, pair, logits, ids
 
 
 class Backbone(nn.Module):

@@ -43,7 +43,7 @@ class SharedPrompts:
     group_positions: torch.Tensor | None = None  # (G, L)
     group_attend: torch.Tensor | None = None  # (G, L, L) bool
     group_forced: torch.Tensor | None = None  # (G, L, layers, k)
-    group_where: torch.Tensor | None = None  # (P * S + B * R,) row of cat(prompt, response rows) -> G * L row
+    group_gather: torch.Tensor | None = None  # (B, T-1) full-layout position -> row of the (G * L) rows
 
     def to(self, device) -> SharedPrompts:
         return SharedPrompts(
@@ -158,7 +158,7 @@ def plan_shared_prompts(
         group_forced[torch.from_numpy(where)[keep]] = flat[keep]
         group_forced = group_forced.view(P, L, L_, K_)
     plan.group_ids, plan.group_valid, plan.group_positions = t(group_ids), t(valid), t(group_pos)
-    plan.group_attend, plan.group_forced, plan.group_where = t(attend), group_forced, t(where)
+    plan.group_attend, plan.group_forced, plan.group_gather = t(attend), group_forced, t(where[gather])
     return plan
 
 
@@ -227,7 +227,7 @@ def packed_forward(
     """`shared_prompt_forward` in one forward: each group a row, its prompt then its responses,
     each response attending its prompt and itself at the positions after the prompt (the same
     arithmetic a token at a time as the two passes, in half the operators)."""
-    where = plan.group_where.index_select(0, plan.gather.reshape(-1))  # full layout -> group row
+    where = plan.group_gather.reshape(-1)
     rows = None if head_rows is None else where.index_select(0, head_rows)
     out = model(
         plan.group_ids, attention_mask=plan.group_valid, positions=plan.group_positions,
