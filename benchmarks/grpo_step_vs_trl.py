@@ -6,7 +6,8 @@ TRL (with `datasets`) installs on first use into the peers' cache folder (benchm
 not into the project. Both sides train the same weights on the same reasoning-gym
 basic_arithmetic prompts in the chat template, the same number of prompts x samples per step,
 the same maximum of new tokens, temperature 1, AdamW at the same LR, no reference model
-(beta 0), one optimizer step per rollout, the same reward function:
+(beta 0), one optimizer step per rollout, every activation kept (TRL's GRPOConfig would
+checkpoint them by default, recomputing the forward in backward), the same reward function:
 
 - tiny: the shipped tiny Qwen3-MoE base model (miles/assets/tiny-moe-base, which transformers
   loads as Qwen3MoeForCausalLM), the default job's task; 32 prompts x 8 samples, 8 new tokens;
@@ -14,7 +15,10 @@ the same maximum of new tokens, temperature 1, AdamW at the same LR, no referenc
   examples/smollm2_grpo.yaml with its lenient last-number reward; 8 prompts x 8 samples, 64 new
   tokens.
 
-The first step of each side is warm-up and not counted; the median of the rest is printed.
+The first step of each side is warm-up and not counted; the median of the rest is printed, with
+the share of samples whose advantage is 0 (a group whose rewards were all equal), which neither
+side's gradient gets anything from and which miles does not run (`--skip-zero-advantage`);
+`--miles-args=--no-skip-zero-advantage` times miles running them as TRL does.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def time_trl(setup: Setup, checkpoint: Path, steps: int) -> list[float]:
         num_generations=setup.group, steps_per_generation=1, gradient_accumulation_steps=1,
         max_completion_length=setup.new_tokens, temperature=1.0, learning_rate=setup.lr, beta=0.0,
         max_steps=steps, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        disable_tqdm=True, seed=0,
+        disable_tqdm=True, seed=0, gradient_checkpointing=False,
     )  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -114,7 +118,7 @@ def time_trl(setup: Setup, checkpoint: Path, steps: int) -> list[float]:
     return times[1:]
 
 
-def time_miles(setup: Setup, steps: int) -> list[float]:
+def time_miles(setup: Setup, steps: int, extra: list[str]) -> list[float]:
     from miles.config import load_config
     from miles.diagnostics.metrics_file import read_metrics
     from miles.run import train
@@ -124,13 +128,14 @@ def time_miles(setup: Setup, steps: int) -> list[float]:
         "--config", str(setup.config), "--num-rollout", str(steps), "--rollout-batch-size", str(setup.prompts),
         "--n-samples-per-prompt", str(setup.group), "--rollout-max-response-len", str(setup.new_tokens),
         "--rollout-temperature", "1.0", "--lr", str(setup.lr), "--eval-size", "0", "--output-dir", str(out),
-        "--no-progress", "--micro-batch-size", str(setup.prompts * setup.group),
+        "--no-progress", "--micro-batch-size", str(setup.prompts * setup.group), *extra,
     ]  # fmt: skip
     train(load_config(argv))
     rows = [r for r in read_metrics(out) if "step_time" in r][1:]
     parts = ", ".join(
         f"{k} {statistics.median(r[k] for r in rows):.2f} s" for k in ("rollout_time", "train_time")
     )
+    parts += f"; samples with zero advantage {statistics.mean(r['zero_adv_frac'] for r in rows):.0%}"
     print(f"miles, median of {len(rows)} steps: {parts}")
     return [r["step_time"] for r in rows]
 
@@ -141,6 +146,12 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=sorted(SETUPS), default="tiny")
     parser.add_argument("--steps", type=int, default=6, help="RL steps per side (the first is warm-up)")
+    parser.add_argument(
+        "--miles-args",
+        action="append",
+        help="extra `miles train` flags, one variant each time given (e.g. --miles-args= "
+        "--miles-args=--no-skip-zero-advantage times the defaults, then that flag); default: none",
+    )
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     setup = SETUPS[args.model]
@@ -148,12 +159,14 @@ def main() -> None:
         f"{args.model}: torch {torch.__version__}, threads {torch.get_num_threads()}; {setup.prompts} prompts x "
         f"{setup.group} samples, at most {setup.new_tokens} new tokens"
     )
-    ours = statistics.median(time_miles(setup, args.steps))
+    variants = args.miles_args or [""]
+    ours = {v: statistics.median(time_miles(setup, args.steps, v.split())) for v in variants}
     theirs = statistics.median(time_trl(setup, hf_checkpoint(args.model), args.steps))
-    print(
-        f"GRPO step (median of {args.steps - 1}): miles {ours:.2f} s | TRL GRPOTrainer {theirs:.2f} s | "
-        f"miles is {theirs / ours:.1f}x faster"
-    )
+    for v, t in ours.items():
+        print(
+            f"GRPO step (median of {args.steps - 1}): miles{' ' + v if v else ''} {t:.2f} s | "
+            f"TRL GRPOTrainer {theirs:.2f} s | miles is {theirs / t:.1f}x faster"
+        )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ def peer(
             file=sys.stderr,
         )
         return None
+    # the folder did not exist at the first import: forget the finder cached for it as absent
+    sys.path_importer_cache.pop(str(target), None)
+    importlib.invalidate_caches()
     disabled = target.with_name(target.name + "_disabled")
     for name in drop:
         for path in target.glob(f"{name}*"):

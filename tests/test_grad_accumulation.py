@@ -139,6 +139,79 @@ def test_entropy_and_kl_terms_accumulate_exactly_too():
     )
 
 
+def with_zero_groups(samples, advantages):
+    """Advantages of every other group of 4 set to 0 (a GRPO group whose rewards were all equal),
+    and one sample of a kept group zero at its trained tokens only (the rest masked out)."""
+    advantages = [torch.zeros_like(a) if (i // 4) % 2 else a for i, a in enumerate(advantages)]
+    masked = next(i for i, s in enumerate(samples) if s.loss_mask is not None and (i // 4) % 2 == 0)
+    advantages[masked] = advantages[masked] * (1 - torch.tensor(samples[masked].loss_mask))
+    trained = [i for i, a in enumerate(advantages) if (i // 4) % 2 == 0 and i != masked]
+    return advantages, trained
+
+
+def tokens_seen(model) -> list[int]:
+    """Rows the first projection runs on, per forward (pad-free: the real tokens)."""
+    seen: list[int] = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    return seen
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_samples_without_advantage_are_not_run_and_the_gradient_is_the_same(agg):
+    """The oracle is the whole batch's gradient and hand loss; the forward sees only the
+    samples with a non-zero advantage at a trained token; --no-skip-zero-advantage runs all."""
+    samples, advantages = make_samples()
+    advantages, trained = with_zero_groups(samples, advantages)
+    want = one_batch_gradient(random_model("qwen3"), samples, advantages, agg)
+    for skip, micro in ((True, 7), (True, 256), (False, 256)):
+        model = random_model("qwen3")
+        seen = tokens_seen(model)
+        metrics = PolicyTrainer(model, config(agg, micro, skip_zero_advantage=skip)).train(
+            samples, advantages
+        )
+        run = trained if skip else range(N_SAMPLES)
+        assert sum(seen) == sum(len(samples[i].tokens) - 1 for i in run), (skip, micro)
+        assert metrics["zero_adv_frac"] == pytest.approx(1 - len(trained) / N_SAMPLES)
+        for name, p in model.named_parameters():
+            assert torch.allclose(p.grad, want[name], atol=1e-5, rtol=1e-4), (skip, micro, name)
+        assert metrics["pg_loss"] == pytest.approx(hand_loss(samples, advantages, agg), abs=1e-5)
+
+
+def test_a_step_without_any_advantage_still_steps_adamw():
+    """All advantages 0 after a step with signal: AdamW's momentum and weight decay still move the
+    weights, exactly as in the run that computes the zero gradient in full."""
+    samples, advantages = make_samples()
+    zero = [torch.zeros_like(a) for a in advantages]
+    weights = []
+    for skip in (True, False):
+        model = random_model("qwen3_moe")
+        seen = tokens_seen(model)
+        trainer = PolicyTrainer(
+            model, config("token-mean", 256, lr=1e-2, weight_decay=0.1, skip_zero_advantage=skip)
+        )
+        trainer.train(samples, advantages)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        seen.clear()
+        trainer.train(samples, zero)
+        assert sum(seen) == (
+            min(len(s.tokens) for s in samples) - 1 if skip else sum(len(s.tokens) - 1 for s in samples)
+        )
+        assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    for name, w in weights[0].items():
+        assert torch.allclose(w, weights[1][name], atol=1e-6, rtol=1e-5), name
+
+
+def test_other_loss_terms_keep_every_sample():
+    """An entropy bonus reads samples whatever their advantage: none is left out."""
+    samples, advantages = make_samples()
+    advantages, _ = with_zero_groups(samples, advantages)
+    model = random_model("qwen3")
+    seen = tokens_seen(model)
+    PolicyTrainer(model, config("token-mean", 256, entropy_coef=0.01)).train(samples, advantages)
+    assert sum(seen) == sum(len(s.tokens) - 1 for s in samples)
+
+
 def _rank(rank: int, port: int, out) -> None:
     """One of two gloo ranks: every aggregation mode and micro-batch size on this rank's half
     (long samples on rank 0, short on rank 1), with the production all-reduce helpers."""

@@ -577,6 +577,14 @@ class TrainSection:
         "compute each group's shared prompt once in the training forward (same result as the full "
         "forward to fp32 rounding; --no-share-prompts runs every sample in full)",
     )
+    skip_zero_advantage: bool = option(
+        True,
+        "leave out of the training forward and backward every sample whose advantage is 0 at each trained token "
+        "(a GRPO group whose rewards are all equal): it adds nothing to the gradient, and the loss is still divided "
+        "by the whole batch's count, so the update is the same (to fp32 rounding). Only where no other loss term "
+        "reads those samples (entropy bonus, KL, MoE aux loss) and ranks' forwards are not collective (FSDP over "
+        "several ranks, expert parallelism); forward metrics then cover the trained samples",
+    )
     pad_free: bool = option(
         True,
         "training forwards run every projection and MLP on the real tokens alone, one GEMM over all of a "

@@ -4,8 +4,10 @@ One `train(samples, advantages)` call is one rollout's worth of training: the sa
 into `num_steps_per_rollout` optimizer steps of `global_batch_size`, each accumulated over
 micro-batches. Every micro-batch's loss is divided by the whole global batch's token (or
 sequence) count, summed over data-parallel ranks, so the accumulated gradient and the logged
-loss are the global batch's whatever the micro-batch size or rank count. A step whose loss or
-gradient is not finite is skipped and counted; the weights are never updated with NaN.
+loss are the global batch's whatever the micro-batch size or rank count. Samples whose
+advantage is 0 everywhere add nothing to that sum, so they are not run at all where nothing else
+reads them (`skips_zero_advantage`): a GRPO step pays only for its groups with a signal. A step
+whose loss or gradient is not finite is skipped and counted; the weights are never updated with NaN.
 """
 
 from __future__ import annotations
@@ -96,6 +98,33 @@ def uses_pad_free(cfg: RunConfig, world: int) -> bool:
         and not cfg.algo.deterministic_expert_routing
         and not sharded(cfg, world)
     )
+
+
+def skips_zero_advantage(cfg: RunConfig, world: int) -> bool:
+    """Whether samples without a gradient (`adds_gradient`) stay out of training forwards: only
+    where no loss term but the policy loss reads them (an entropy bonus, a KL term or the MoE aux
+    loss would) and ranks' forwards are not collective (FSDP over several ranks, expert
+    parallelism: every rank must run the same forwards)."""
+    algo, train = cfg.algo, cfg.train
+    return (
+        train.skip_zero_advantage
+        and algo.entropy_coef == 0
+        and kl_loss_coef(cfg) == 0
+        and not algo.opd_topk
+        and train.aux_loss_coef == 0
+        and train.expert_model_parallel_size == 1
+        and not sharded(cfg, world)
+    )
+
+
+def adds_gradient(sample: Sample, advantage: torch.Tensor) -> bool:
+    """Whether the policy loss of `sample` can have a gradient: some trained token has a non-zero
+    advantage (every policy loss, clipped or not, is the advantage times a function of the ratio).
+    A NaN advantage counts as non-zero, so a broken step still surfaces as one."""
+    nonzero = advantage != 0
+    if sample.loss_mask is not None:
+        nonzero = nonzero & (torch.as_tensor(sample.loss_mask, device=advantage.device) != 0)
+    return bool(nonzero.any())
 
 
 # losses that add up over micro-batches and ranks (each part is already divided by the global
@@ -397,9 +426,17 @@ class PolicyTrainer:
     def train(self, samples: Sequence[Sample], advantages: Sequence[torch.Tensor]) -> dict[str, float]:
         """One rollout of training; `advantages[i]` is per response token of sample i."""
         cfg = self.cfg
+        gbs = self.step_samples
+        steps = [list(range(start, min(start + gbs, len(samples)))) for start in range(0, len(samples), gbs)]
+        signal = [[i for i in idx if adds_gradient(samples[i], advantages[i])] for idx in steps]
+        trained = [self._trained(idx, useful, samples) for idx, useful in zip(steps, signal)]
         # With one optimizer step per rollout every micro-batch runs before the update, so the
         # "old" log-probs are the forward's own (detached): no extra forward pass.
-        old = self.logprobs(samples) if cfg.train.num_steps_per_rollout > 1 else [None] * len(samples)
+        old: list[torch.Tensor | None] = [None] * len(samples)
+        if cfg.train.num_steps_per_rollout > 1:
+            needed = [i for part in trained for i in part]
+            for i, logp in zip(needed, self.logprobs([samples[i] for i in needed])):
+                old[i] = logp
         ref = self.reference_logprobs(samples) if kl_loss_coef(cfg) > 0 and not cfg.algo.opd_topk else None
         sums: dict[str, float] = defaultdict(float)
         weights: dict[str, float] = defaultdict(float)
@@ -412,18 +449,22 @@ class PolicyTrainer:
         highest = 0  # --auto-batch: the largest micro-batch peak measured in this call
         if self.auto is not None:
             self.auto.start_step()
-        gbs = self.step_samples
         agg = cfg.algo.loss_agg_mode
-        for start in range(0, len(samples), gbs):
-            idx = list(range(start, min(start + gbs, len(samples))))
+        for idx, useful, active in zip(steps, signal, trained):
             # the global batch's count over every rank: each micro-batch's share of the loss
-            (denominator,) = self._sum_over_ranks([loss_denominator([samples[i] for i in idx], agg)])
+            denominator, active_denominator = self._sum_over_ranks(
+                [
+                    loss_denominator([samples[i] for i in idx], agg),
+                    loss_denominator([samples[i] for i in active], agg),
+                ]
+            )
             denominator = max(denominator, 1.0)
+            record("zero_adv_frac", 1 - len(useful) / len(idx), len(idx))
             self.optimizer.zero_grad(set_to_none=True)
             self.step_chosen = None  # --moe-aux-loss-type global: expert counts of the step so far
             finite = True
             step_losses: dict[str, float] = dict.fromkeys(ADDITIVE_METRICS, 0.0)
-            for mi in self._plan(idx, samples):
+            for mi in self._plan(active, samples):
                 chunk = [samples[i] for i in mi]
                 started = time.perf_counter()
                 measuring = self.auto is not None
@@ -456,6 +497,8 @@ class PolicyTrainer:
                     break
             if self.grad_sync is not None:  # data parallelism: average gradients over ranks
                 finite = self.grad_sync(finite)
+            # the entropy metric: a mean over the trained samples (the loss terms are the batch's)
+            step_losses["entropy"] *= denominator / max(active_denominator, 1.0)
             present = [k for k in ADDITIVE_METRICS if k in parts]  # the same keys on every rank
             for k, v in zip(present, self._sum_over_ranks([step_losses[k] for k in present])):
                 record(k, v)
@@ -499,6 +542,15 @@ class PolicyTrainer:
             if change is not None:
                 out["vision_logprob_change"] = change
         return out
+
+    def _trained(self, idx: list[int], useful: list[int], samples: Sequence[Sample]) -> list[int]:
+        """The samples of the global batch `idx` that the step's forwards run: all of them, or
+        with `skips_zero_advantage` the `useful` ones (those that add a gradient). When none
+        does, the shortest still runs: AdamW must step on zero gradients (its moments decay,
+        weight decay applies) exactly as it would have, on every tensor a forward reaches."""
+        if self.all_max is not None or not skips_zero_advantage(self.cfg, self.world):
+            return idx
+        return useful or [min(idx, key=lambda i: len(samples[i].tokens))]
 
     def _micro_batch(
         self, samples, advantages, old, ref, denominator: float
