@@ -134,4 +134,6 @@ def test_a_teacher_server_equals_the_teacher_beside_the_trainer(tmp_path):
     assert local_k[-1]["kl_loss"] > 0.1
     for a, b in [*zip(local, served), *zip(local_k, served_k)]:
         for key, value in a.items():
-            assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            # the train/rollout gap is rounding itself (~1e-6): the two runs' differ by as much
+            noise = 1e-5 if "rollout_train" in key or "train_rollout" in key else 1e-6
+            assert b[key] == pytest.approx(value, rel=1e-5, abs=noise), key

@@ -29,7 +29,7 @@ def test_agents_on_ray_match_the_one_process_run(ray_cluster, tmp_path):
             if key.startswith(("agent_reward", "win_rate", "opponent_snapshot")):
                 assert b[key] == pytest.approx(a[key], abs=1e-5), key
             elif key.startswith("bet_"):  # read from the weights, which differ slightly (below)
-                assert b[key] == pytest.approx(a[key], rel=2e-3), key
+                assert b[key] == pytest.approx(a[key], rel=3e-3), key
     for name in kuhn.PLAYERS:
         ours = registry.model_for(str(tmp_path / "local" / "agents" / name)).state_dict()
         theirs = registry.model_for(str(tmp_path / "ray" / "agents" / name)).state_dict()

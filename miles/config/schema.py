@@ -579,11 +579,9 @@ class TrainSection:
     )
     skip_zero_advantage: bool = option(
         True,
-        "leave out of the training forward and backward every sample whose advantage is 0 at each trained token "
-        "(a GRPO group whose rewards are all equal): it adds nothing to the gradient, and the loss is still divided "
-        "by the whole batch's count, so the update is the same (to fp32 rounding). Only where no other loss term "
-        "reads those samples (entropy bonus, KL, MoE aux loss) and ranks' forwards are not collective (FSDP over "
-        "several ranks, expert parallelism); forward metrics then cover the trained samples",
+        "train without the samples whose advantage is 0 at every trained token (a GRPO group of equal "
+        "rewards): they add no gradient and the loss keeps the whole batch's denominator, so the update is "
+        "the same. Off where an entropy, KL or aux-loss term reads them, under FSDP or expert parallelism",
     )
     pad_free: bool = option(
         True,
