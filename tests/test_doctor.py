@@ -183,6 +183,22 @@ def test_truncation(runs):
     assert_remedies_accepted(bad, findings)
 
 
+def test_memory_that_grows_to_a_working_set_and_stays_is_no_leak():
+    """Peak memory that rises over the first steps (batches growing to their size, freed memory
+    kept in the heap) and then stays flat is not flagged; the same rise kept up to the end is."""
+    from miles.doctor.checks import memory_growth
+    from miles.doctor.run import RunRecord
+
+    def run_of(gb: list[float]) -> RunRecord:
+        steps = [{"rollout": i, "reward_mean": 0.5, "mem_driver_peak_rss_gb": v} for i, v in enumerate(gb)]
+        return RunRecord(Path("."), {}, steps)
+
+    plateau = [6.0, 6.4, 7.2, 9.0, 11.0, 12.8] + [12.85] * 30
+    assert memory_growth(run_of(plateau), None) is None
+    leak = [6.0 + 0.2 * i for i in range(36)]
+    assert memory_growth(run_of(leak), None) is not None
+
+
 def test_memory_growth_from_a_leaky_plugin(runs):
     from tests import reward_fixtures
 

@@ -975,8 +975,12 @@ def memory_growth(run: RunRecord, compare: RunRecord | None):
         start, end = min(values[:2]), min(values[-2:])
         growth = end - start
         rising = sum(values[half:]) / (len(values) - half) > sum(values[:half]) / half
+        # a leak keeps growing; a working set that grows to its size (larger batches as a run
+        # goes, freed memory kept in the heap) and then stays is not one
+        still = end - min(values[half : half + 2]) > growth / 4
         if (
             rising
+            and still
             and growth > THRESHOLDS["memory_growth_gb"]
             and growth > THRESHOLDS["memory_growth_frac"] * start
         ):
