@@ -26,7 +26,7 @@ MAX_RESPONSE = 12
 
 def make_samples(seed: int = 0) -> tuple[list[Sample], list[torch.Tensor]]:
     """Samples of very different lengths (so per-micro-batch normalisation would be visibly wrong),
-    some with masked-out tokens, and random per-token advantages."""
+    some with masked-out tokens, and random per-token advantages, 0 on some samples."""
     rng = random.Random(seed)
     samples, advantages = [], []
     for i in range(N_SAMPLES):
@@ -38,6 +38,8 @@ def make_samples(seed: int = 0) -> tuple[list[Sample], list[torch.Tensor]]:
             s.loss_mask = [1] * (n - 1) + [0]  # e.g. a tool output the policy did not write
         samples.append(s)
         advantages.append(torch.tensor([rng.uniform(-2, 2) for _ in range(n)]))
+        if 12 <= i < 16 or i >= 30:  # groups whose rewards were all equal: not run, still counted
+            advantages[-1] = torch.zeros(n)
     return samples, advantages
 
 
@@ -140,12 +142,17 @@ def test_entropy_and_kl_terms_accumulate_exactly_too():
 
 
 def with_zero_groups(samples, advantages):
-    """Advantages of every other group of 4 set to 0 (a GRPO group whose rewards were all equal),
-    and one sample of a kept group zero at its trained tokens only (the rest masked out)."""
+    """Advantages of every other group of 4 set to 0 too, and one sample with signal made 0 at its
+    trained tokens only (the rest masked out); returns them and the samples with signal left."""
     advantages = [torch.zeros_like(a) if (i // 4) % 2 else a for i, a in enumerate(advantages)]
-    masked = next(i for i, s in enumerate(samples) if s.loss_mask is not None and (i // 4) % 2 == 0)
+    masked = next(i for i, s in enumerate(samples) if s.loss_mask is not None and bool(advantages[i].any()))
     advantages[masked] = advantages[masked] * (1 - torch.tensor(samples[masked].loss_mask))
-    trained = [i for i, a in enumerate(advantages) if (i // 4) % 2 == 0 and i != masked]
+    trained = [
+        i
+        for i, (s, a) in enumerate(zip(samples, advantages))
+        if any(x != 0 and m for x, m in zip(a.tolist(), s.loss_mask or [1] * len(a)))
+    ]
+    assert masked not in trained and 0 < len(trained) < len(samples) // 2
     return advantages, trained
 
 
