@@ -209,6 +209,24 @@ def test_a_step_without_any_advantage_still_steps_adamw():
         assert torch.allclose(w, weights[1][name], atol=1e-6, rtol=1e-5), name
 
 
+def test_two_optimizer_steps_a_rollout_skip_the_same_samples_exactly():
+    """--num-steps-per-rollout 2: the old log-probs come from a forward before the first update
+    (of the trained samples only); both steps' updates equal the run that computes every sample."""
+    samples, advantages = make_samples()
+    advantages, _ = with_zero_groups(samples, advantages)
+    weights = []
+    for skip in (True, False):
+        model = random_model("qwen3")
+        cfg = config("token-mean", 7, lr=1e-3, num_steps_per_rollout=2, skip_zero_advantage=skip)
+        PolicyTrainer(model, cfg).train(samples, advantages)
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    base = random_model("qwen3").state_dict()
+    for name, w in weights[0].items():
+        # rounding only: AdamW turns a ~0 gradient element's noise into up to a step (1e-3 here)
+        moved = float((weights[1][name] - base[name]).abs().max())
+        assert moved > 0 and float((w - weights[1][name]).abs().max()) <= 1e-2 * moved, name
+
+
 def test_other_loss_terms_keep_every_sample():
     """An entropy bonus reads samples whatever their advantage: none is left out."""
     samples, advantages = make_samples()
