@@ -121,10 +121,10 @@ def adds_gradient(sample: Sample, advantage: torch.Tensor) -> bool:
     """Whether the policy loss of `sample` can have a gradient: some trained token has a non-zero
     advantage (every policy loss, clipped or not, is the advantage times a function of the ratio).
     A NaN advantage counts as non-zero, so a broken step still surfaces as one."""
-    nonzero = advantage != 0
-    if sample.loss_mask is not None:
-        nonzero = nonzero & (torch.as_tensor(sample.loss_mask, device=advantage.device) != 0)
-    return bool(nonzero.any())
+    if sample.loss_mask is None:
+        return bool((advantage != 0).any())
+    # in Python: a tensor made of each sample's mask costs more than the few tokens it holds
+    return any(a != 0 and m for a, m in zip(advantage.tolist(), sample.loss_mask))
 
 
 # losses that add up over micro-batches and ranks (each part is already divided by the global
@@ -570,18 +570,25 @@ class PolicyTrainer:
         )
         logp, logits, out = result.logprobs, result.logits, result.out
         mask = batch.response_mask
-        adv, old_t, rollout_t, ref_t = (torch.zeros_like(logp) for _ in range(4))
-        for b, s in enumerate(samples):
-            sl = response_positions(s)
-            adv[b, sl] = advantages[b]
-            old_t[b, sl] = old[b] if old[b] is not None else logp[b, sl].detach()
-            if s.rollout_log_probs is not None:
-                rollout_t[b, sl] = torch.tensor(s.rollout_log_probs)
-            if ref is not None:
-                ref_t[b, sl] = ref[b]
+        resp_rows = batch.response_rows  # every response token, sample by sample (lists concatenated)
+
+        def spread(values: torch.Tensor) -> torch.Tensor:
+            """Per-response-token values (N,), in sample order -> (B, T - 1), zeros elsewhere."""
+            full = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
+            return full.index_copy_(0, resp_rows, values.to(full)).view_as(logp)
+
+        own = logp.detach().reshape(-1).index_select(0, resp_rows)  # "old" with one update a rollout
+        if any(o is not None for o in old):
+            parts_of = own.split([s.response_length for s in samples])
+            own = torch.cat([o if o is not None else p for o, p in zip(old, parts_of)])
+        adv, old_t = spread(torch.cat(list(advantages))), spread(own)
+        has_rollout = all(s.rollout_log_probs is not None for s in samples)
+        rollout_t = torch.zeros_like(logp)
+        if has_rollout:
+            rollout_t = spread(torch.tensor([x for s in samples for x in s.rollout_log_probs]))
+        ref_t = spread(torch.cat(list(ref))) if ref is not None else torch.zeros_like(logp)
         parts: dict[str, float] = {}
         weights = None
-        has_rollout = all(s.rollout_log_probs is not None for s in samples)
         if has_rollout:
             parts.update(mismatch_metrics(old_t, rollout_t, mask))
         if algo.use_tis and has_rollout:
