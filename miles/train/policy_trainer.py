@@ -41,6 +41,7 @@ from miles.train.batch import (
     forward_logprobs,
     pack_samples,
     recorded_routing,
+    scatter,
     vision_sensitivity,
 )
 from miles.train.host_optimizer import HostAdamW
@@ -391,8 +392,11 @@ class PolicyTrainer:
             result = forward_logprobs(
                 model, batch, temperature, bool(topk), uses_pad_free(self.cfg, self.world)
             )
-            for b, (i, s) in enumerate(zip(part, chunk)):
-                out[i] = result.logprobs[b, response_positions(s)].clone()
+            # each sample's response log-probs: its run of the batch's response rows
+            flat = result.logprobs.reshape(-1).index_select(0, batch.response_rows.to(result.logprobs.device))
+            per_sample = flat.split([c.response_length for c in chunk])
+            for b, (i, s, logp) in enumerate(zip(part, chunk, per_sample)):
+                out[i] = logp
                 if topk:
                     attach_topk(s, *topk_of(result.logits[b, response_positions(s)], topk, temperature))
         return out  # type: ignore[return-value]
@@ -573,9 +577,7 @@ class PolicyTrainer:
         resp_rows = batch.response_rows  # every response token, sample by sample (lists concatenated)
 
         def spread(values: torch.Tensor) -> torch.Tensor:
-            """Per-response-token values (N,), in sample order -> (B, T - 1), zeros elsewhere."""
-            full = torch.zeros(logp.numel(), dtype=logp.dtype, device=logp.device)
-            return full.index_copy_(0, resp_rows, values.to(full)).view_as(logp)
+            return scatter(values.to(logp), resp_rows, logp)
 
         own = logp.detach().reshape(-1).index_select(0, resp_rows)  # "old" with one update a rollout
         if any(o is not None for o in old):

@@ -109,9 +109,9 @@ def plan_shared_prompts(
     gather = np.where(in_prompt | (t < (plen + n_resp)[:, None]), gather, 0)
     prompt_forced = resp_forced = None
     if routed is not None:
-        L_, K_ = routed[0].shape[1:]
-        prompt_forced = np.full((P, S, L_, K_), -1, dtype=np.int64)
-        resp_forced = np.full((B, R, L_, K_), -1, dtype=np.int64)
+        n_moe, top_k = routed[0].shape[1:]
+        prompt_forced = np.full((P, S, n_moe, top_k), -1, dtype=np.int64)
+        resp_forced = np.full((B, R, n_moe, top_k), -1, dtype=np.int64)
         for i, b in enumerate(firsts):
             prompt_forced[i, : plen[b]] = routed[b][: plen[b]]
         for b in range(B):
@@ -152,11 +152,13 @@ def plan_shared_prompts(
     attend = causal & valid[:, None, :] & ((seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None]))
     group_forced = None
     if routed is not None:
-        flat = torch.cat([prompt_forced.reshape(P * S, L_, K_), resp_forced.reshape(B * R, L_, K_)])
-        group_forced = torch.full((P * L, L_, K_), -1, dtype=torch.long)
+        flat = torch.cat(
+            [prompt_forced.reshape(P * S, n_moe, top_k), resp_forced.reshape(B * R, n_moe, top_k)]
+        )
+        group_forced = torch.full((P * L, n_moe, top_k), -1, dtype=torch.long)
         keep = torch.from_numpy(np.concatenate([prompt_mask.reshape(-1), resp_mask.reshape(-1)]))
         group_forced[torch.from_numpy(where)[keep]] = flat[keep]
-        group_forced = group_forced.view(P, L, L_, K_)
+        group_forced = group_forced.view(P, L, n_moe, top_k)
     plan.group_ids, plan.group_valid, plan.group_positions = t(group_ids), t(valid), t(group_pos)
     plan.group_attend, plan.group_forced, plan.group_gather = t(attend), group_forced, t(where[gather])
     return plan
