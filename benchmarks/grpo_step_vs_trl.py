@@ -1,6 +1,6 @@
 """Time per GRPO step: TRL's GRPOTrainer and `miles train`, same model, task, batch and lengths.
 
-    .venv/bin/python benchmarks/grpo_step_vs_trl.py [--model tiny|smollm2] [--steps 6]
+    .venv/bin/python benchmarks/grpo_step_vs_trl.py [--model tiny|smollm2] [--steps 6] [--rounds 3]
 
 TRL (with `datasets`) installs on first use into the peers' cache folder (benchmarks/peers.py),
 not into the project. Both sides train the same weights on the same reasoning-gym
@@ -15,7 +15,10 @@ checkpoint them by default, recomputing the forward in backward), the same rewar
   examples/smollm2_grpo.yaml with its lenient last-number reward; 8 prompts x 8 samples, 64 new
   tokens.
 
-The first step of each side is warm-up and not counted; the median of the rest is printed, with
+The machine's speed drifts over tens of seconds (a shared VM), so the sides alternate in
+`--rounds` rounds (miles, then TRL, each from a fresh start), and each side's median is taken over
+every round: both see the same mix of fast and slow phases. The first step of each side in each
+round is warm-up and not counted; the median of the rest is printed, with
 the share of samples whose advantage is 0 (a group whose rewards were all equal), which neither
 side's gradient gets anything from and which miles does not run (`--skip-zero-advantage`);
 `--miles-args=--no-skip-zero-advantage` times miles running them as TRL does.
@@ -145,7 +148,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=sorted(SETUPS), default="tiny")
-    parser.add_argument("--steps", type=int, default=6, help="RL steps per side (the first is warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="RL steps per side and round (the first is warm-up)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="times the two sides alternate, each round miles then TRL (default: 3 on tiny, 1 on smollm2, "
+        "whose TRL step takes a minute)",
+    )
     parser.add_argument(
         "--miles-args",
         action="append",
@@ -155,17 +166,29 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     setup = SETUPS[args.model]
+    rounds = args.rounds or (3 if args.model == "tiny" else 1)
     print(
         f"{args.model}: torch {torch.__version__}, threads {torch.get_num_threads()}; {setup.prompts} prompts x "
-        f"{setup.group} samples, at most {setup.new_tokens} new tokens"
+        f"{setup.group} samples, at most {setup.new_tokens} new tokens; {rounds} round(s) of {args.steps} steps a side"
     )
     variants = args.miles_args or [""]
-    ours = {v: statistics.median(time_miles(setup, args.steps, v.split())) for v in variants}
-    theirs = statistics.median(time_trl(setup, hf_checkpoint(args.model), args.steps))
-    for v, t in ours.items():
+    ours: dict[str, list[float]] = {v: [] for v in variants}
+    theirs: list[float] = []
+    checkpoint = hf_checkpoint(args.model)
+    for r in range(rounds):
+        for v in variants:
+            ours[v] += time_miles(setup, args.steps, v.split())
+        theirs += time_trl(setup, checkpoint, args.steps)
         print(
-            f"GRPO step (median of {args.steps - 1}): miles{' ' + v if v else ''} {t:.2f} s | "
-            f"TRL GRPOTrainer {theirs:.2f} s | miles is {theirs / t:.1f}x faster"
+            f"round {r + 1}: miles {statistics.median(ours[variants[0]][-(args.steps - 1) :]):.3f} s, "
+            f"TRL {statistics.median(theirs[-(args.steps - 1) :]):.3f} s"
+        )
+    trl = statistics.median(theirs)
+    for v, times in ours.items():
+        t = statistics.median(times)
+        print(
+            f"GRPO step (median of {len(times)}): miles{' ' + v if v else ''} {t:.2f} s | "
+            f"TRL GRPOTrainer {trl:.2f} s | miles is {trl / t:.1f}x faster"
         )
 
 

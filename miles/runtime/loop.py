@@ -19,6 +19,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from miles.config.schema import RunConfig
+from miles.devices import setup_objects_frozen
 from miles.diagnostics.metrics_file import MetricsLogger
 from miles.runtime.executors import Executor
 from miles.runtime.feed import RolloutFeed
@@ -48,7 +49,8 @@ def run_loop(run: Run) -> Path:
     start = resume_run(run)
     run.parts.begin(start)
     total = run.cfg.rollout.num_rollout
-    with logging_redirect_tqdm([log]), progress_bar(run.cfg, start, total) as bar:
+    frozen = setup_objects_frozen()  # set-up's objects are never garbage: full collections skip them
+    with frozen, logging_redirect_tqdm([log]), progress_bar(run.cfg, start, total) as bar:
         for rollout_id in range(start, total):
             step = run_step(run, Step(rollout_id, last=rollout_id == total - 1))
             log_step(run, step)
