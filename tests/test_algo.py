@@ -410,7 +410,7 @@ def test_routing_mismatch_counts_changed_decisions(seed, k):
     recorded[0, 0] = -1  # not recorded: never counted
     valid = mask.bool().clone()
     valid[0, 0] = False
-    got = routing_mismatch(logits, recorded, mask)
+    got = routing_mismatch(torch.stack(logits, dim=2), recorded, mask)
     if not valid.any():
         assert got == {}
         return

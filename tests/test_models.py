@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from miles.models import save_model
+from miles.models.transformer import RMSNorm
 from tests.conftest import random_model
 
 
@@ -43,6 +44,60 @@ def test_logits_match_transformers_on_padded_batch(arch, left, tmp_path):
     real = mask.bool()
     assert (ours[real] - ref[real]).abs().max() < 1e-4
     assert ours[real].std() > 0.1  # a dead model would pass trivially
+
+
+def test_gradients_match_transformers(arch, tmp_path):
+    """Every parameter's gradient of a padded batch's loss equals transformers' (the hand-written
+    RMSNorm backward, attention under the additive mask, MoE dispatch)."""
+    model = random_model(arch, seed=5)
+    hf = hf_from(model, tmp_path)
+    ids, mask = padded_batch(model.config.vocab_size, [9, 5, 7], left=False, seed=1)
+    weights = torch.randn(
+        3, ids.shape[1], model.config.vocab_size, generator=torch.Generator().manual_seed(2)
+    )
+    real = mask.bool()[..., None]
+    (model(ids, attention_mask=mask).logits * weights * real).sum().backward()
+    (hf(input_ids=ids, attention_mask=mask).logits * weights * real).sum().backward()
+    ours = {name: p.grad for name, p in model.named_parameters()}
+    for name in [n for n in ours if ".mlp.experts.0.gate_proj" in n]:  # transformers fuses the experts
+        layer = name.split(".mlp.")[0] + ".mlp.experts"
+        n = model.config.num_experts
+        gate, up, down = (
+            torch.stack([ours.pop(f"{layer}.{e}.{proj}.weight") for e in range(n)])
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        )
+        ours[f"{layer}.gate_up_proj"], ours[f"{layer}.down_proj"] = torch.cat([gate, up], dim=1), down
+    theirs = {name: p.grad for name, p in hf.named_parameters()}
+    assert ours.keys() == theirs.keys()
+    for name, grad in ours.items():
+        ref = theirs[name]
+        assert grad is not None and ref is not None, name
+        assert (grad - ref).abs().max() <= 1e-4 * ref.abs().max(), name
+    assert any(float(g.abs().max()) > 1e-3 for g in ours.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_equals_autograd_of_its_formula(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 5, 16, generator=gen) * 3).to(dtype).requires_grad_()
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=gen))
+    grad = torch.randn(6, 5, 16, generator=gen).to(dtype)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    h = x_ref.float()
+    ref = w_ref * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    ref.backward(grad)
+    out = norm(x)
+    out.backward(grad)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.equal(out, ref)
+    assert (x.grad.float() - x_ref.grad.float()).abs().max() <= tol * x_ref.grad.float().abs().max()
+    assert (norm.weight.grad - w_ref.grad).abs().max() <= 1e-5 * w_ref.grad.abs().max()
+    norm.weight.requires_grad_(False)  # frozen (LoRA): no weight gradient computed
+    x.grad = None
+    norm(x).backward(grad)
+    assert x.grad is not None and norm.weight.grad is not None  # the earlier one, untouched
 
 
 def test_kv_cache_decoding_equals_full_forward(arch):

@@ -98,30 +98,26 @@ def mismatch_metrics(
 
 
 def routing_mismatch(
-    router_logits: list[torch.Tensor], recorded: torch.Tensor, mask: torch.Tensor
+    router_logits: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
     """How often the trainer's own top-k experts differ from those the rollout engine used.
 
-    `router_logits`: per MoE layer (B, T, E); `recorded`: (B, T, layers, K) expert ids from the
-    rollout (-(e + 2) for a slot dropped over capacity), -1 where none was recorded; `mask`: (B, T) positions to count. A decision is one
-    (token, layer) top-k set (order ignored). Returns the fraction of decisions that differ and
-    the fraction of tokens with at least one differing layer ("different experts
-    activated during train vs inference"; R3 replays the recorded ones instead).
+    `router_logits`: (B, T, layers, E), every MoE layer's; `recorded`: (B, T, layers, K) expert
+    ids from the rollout (-(e + 2) for a slot dropped over capacity), -1 where none was recorded;
+    `mask`: (B, T) positions to count. A decision is one (token, layer) top-k set (order
+    ignored). Returns the fraction of decisions that differ and the fraction of tokens with at
+    least one differing layer ("different experts activated during train vs inference"; R3
+    replays the recorded ones instead).
     """
     k = recorded.shape[-1]
-    rec = recorded.to(router_logits[0].device)
+    rec = recorded.to(router_logits.device)
     valid = mask.bool() & (rec != NO_RECORD).all(-1).all(-1)
-    rec = decode_experts(rec)  # a slot dropped over capacity still names the expert chosen
     if not valid.any():
         return {}
-    differ = torch.stack(  # (B, T, L), one layer at a time: no (B, T, L, K) copy of the trainer's choice
-        [
-            (lg.detach().topk(k, dim=-1).indices.sort(-1).values != rec[:, :, layer].sort(-1).values).any(-1)
-            for layer, lg in enumerate(router_logits)
-        ],
-        dim=-1,
-    )
+    own = router_logits[valid].detach().topk(k, dim=-1).indices.sort(-1).values  # (N, layers, K)
+    # a slot dropped over capacity still names the expert chosen
+    differ = (own != decode_experts(rec[valid]).sort(-1).values).any(-1)  # (N, layers)
     return {
-        "routing_mismatch_frac": float(differ[valid].float().mean()),
-        "routing_mismatch_token_frac": float(differ.any(-1)[valid].float().mean()),
+        "routing_mismatch_frac": float(differ.float().mean()),
+        "routing_mismatch_token_frac": float(differ.any(-1).float().mean()),
     }

@@ -97,9 +97,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight * x / rms(x), rms in fp32, with a hand-written backward: autograd through the
+    composite would save and revisit four temporaries of x's size and run about twice the
+    operators (a norm runs 2-4 times a layer, on every token)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        normed = h * rstd
+        ctx.save_for_backward(normed, rstd, weight)
+        ctx.dtype = x.dtype
+        return weight * normed.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, rstd, weight = ctx.saved_tensors
+        g = grad.float()
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            seen = normed.to(ctx.dtype).float()  # what the weight multiplied (rounded as forward did)
+            grad_weight = (g * seen).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gn = g * weight.float()  # d/d(normed); normed = x * rstd, rstd = mean(x^2)^(-1/2)
+            grad_x = ((gn - normed * (gn * normed).mean(-1, keepdim=True)) * rstd).to(ctx.dtype)
+        return grad_x, grad_weight, None
 
 
 def rope_cos_sin(
@@ -496,6 +522,10 @@ class Transformer(nn.Module):
             mask = torch.arange(length, device=device)[None, None, :] <= positions[:, :, None]
         mask = mask[:, None]  # (B, 1, T, S)
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if cache is None and T > 1 and not any(la.self_attn.batch_invariant for la in self.model.layers):
+            # fused attention reads a boolean mask as this additive one, which it would build
+            # again in every layer's forward and backward: build it once
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=device).masked_fill_(~mask, float("-inf"))
         cfg = self.config
         # a prompt forward (a decode step feeds sampled tokens, and a sampled image marker ends
         # its response): image tokens without pixels would run the model blind

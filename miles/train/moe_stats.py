@@ -54,14 +54,11 @@ def load_balancing_loss(
     return torch.stack(losses).mean()
 
 
-def router_entropy_sum(router_logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Per layer, the sum over real tokens of the router distribution's entropy (nats), (L,) float64."""
-    m = mask.bool()
-    out = []
-    for logits in router_logits:
-        logp = logits.detach().float().log_softmax(-1)[m]
-        out.append(-(logp.exp() * logp).sum())
-    return torch.stack(out).double().cpu()
+def router_entropy_sum(router_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per layer, the sum over real tokens of the router distribution's entropy (nats), (L,)
+    float64; `router_logits` (B, T, L, E), every MoE layer's at once (one pass, not one a layer)."""
+    logp = router_logits[mask.bool()].detach().float().log_softmax(-1)  # (N, L, E)
+    return -(logp.exp() * logp).sum((0, 2)).double().cpu()
 
 
 class LoadAccumulator:

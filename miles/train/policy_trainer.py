@@ -660,7 +660,8 @@ class PolicyTrainer:
         cfg = self.cfg
         mask = batch.attention_mask
         chosen, kept = routing_counts(out.routed_experts, mask, self.model.config.num_experts)
-        self.load.add(chosen, kept, router_entropy_sum(out.router_logits, mask), float(mask.sum()))
+        every_layer = torch.stack([lg.detach() for lg in out.router_logits], dim=2)  # (B, T, layers, E)
+        self.load.add(chosen, kept, router_entropy_sum(every_layer, mask), float(mask.sum()))
         aux_share = torch.zeros((), device=self.device)
         if cfg.train.aux_loss_coef > 0:
             counts = chosen
@@ -680,5 +681,5 @@ class PolicyTrainer:
             recorded = batch.forced_experts  # R3 already packed it, unless the shared-prompt plan carries it
             if recorded is None:
                 recorded = recorded_routing(samples, mask.shape[1])
-            parts.update(routing_mismatch(out.router_logits, recorded, mask))
+            parts.update(routing_mismatch(every_layer, recorded, mask))
         return aux_share
