@@ -16,9 +16,11 @@ from tests.conftest import random_model
 from tests.test_shared_prompt import group_samples
 
 
-def losses_and_grads(model, batch, pad_free: bool, agg: str):
+def losses_and_grads(model, batch, pad_free: bool, agg: str, full_logits: bool = False):
     model.zero_grad()
-    result = forward_logprobs(model.train(), batch, temperature=0.9, pad_free=pad_free)
+    result = forward_logprobs(
+        model.train(), batch, temperature=0.9, full_logits=full_logits, pad_free=pad_free
+    )
     mask = batch.response_mask
     gen = torch.Generator().manual_seed(0)
     old = (result.logprobs.detach() + 0.1 * torch.cos(torch.arange(mask.shape[1]))) * mask  # by column
@@ -66,6 +68,45 @@ def test_pad_free_gives_the_padded_loss_and_gradients(arch, share, monkeypatch):
         assert padded[2].keys() == pad_free[2].keys()
         for name, g in padded[2].items():
             assert (g - pad_free[2][name]).abs().max() < 1e-5 * max(1.0, g.abs().max()), (agg, name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("share", ["no", "packed"])
+@pytest.mark.parametrize("pad_free", [False, True])
+def test_last_layer_mlp_on_the_head_rows_alone_gives_the_full_forward(arch, share, pad_free, monkeypatch):
+    """With the LM head on the response rows, the last layer's MLP (or experts) runs on the rows
+    the head reads alone; the loss and every gradient equal the forward that computes the logits
+    of every position (router terms included: every row is still routed)."""
+    monkeypatch.setattr(shared_prompt, "PACK_RATIO", float("inf"))
+    model = random_model(arch, seed=6)
+    samples = group_samples(model, n_prompts=3, n=4, seed=2)
+    batch = pack_samples(samples, replay_routing=arch.endswith("moe"), share_prompts=share != "no")
+    seen = {}  # rows given to the first and the last layer's MLP (an expert's: summed over experts)
+
+    def spy(name, module):
+        real = module.forward
+        monkeypatch.setattr(
+            module,
+            "forward",
+            lambda x: seen.__setitem__(name, seen.get(name, 0) + len(x.reshape(-1, x.shape[-1]))) or real(x),
+        )
+
+    layers = model.model.layers
+    for name, layer in (("first", layers[0]), ("last", layers[-1])):
+        for module in getattr(layer.mlp, "experts", [layer.mlp]):
+            spy(name, module)
+    for agg in ("token-mean", "seq-mean-token-sum-norm"):
+        seen.clear()
+        full = losses_and_grads(model, batch, pad_free, agg, full_logits=True)
+        assert seen["last"] == seen["first"]
+        seen.clear()
+        head = losses_and_grads(model, batch, pad_free, agg)
+        assert seen["last"] < 0.8 * seen["first"]  # the prompts' rows (but each last one) skipped
+        assert abs(full[0] - head[0]) < 1e-5, agg
+        assert (full[1] - head[1]).abs().max() < 1e-5, agg
+        assert full[2].keys() == head[2].keys()
+        for name, g in full[2].items():
+            assert (g - head[2][name]).abs().max() < 1e-5 * max(1.0, g.abs().max()), (agg, name)
 
 
 @pytest.mark.parametrize("packed", [False, True])

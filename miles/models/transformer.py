@@ -267,10 +267,16 @@ class MoE(nn.Module):
         self.expert_loader = None
 
     def forward(
-        self, x: torch.Tensor, forced: torch.Tensor | None, valid: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        forced: torch.Tensor | None,
+        valid: torch.Tensor | None = None,
+        used: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, hidden), valid (N,) real tokens -> output (N, hidden), router logits (N, E), routing
-        record (N, K): expert ids, -(e + 2) for a slot dropped over capacity."""
+        record (N, K): expert ids, -(e + 2) for a slot dropped over capacity. `used` (N,) bool: the
+        rows whose output anything reads; the experts run on those alone (the others' output is
+        0), while every row is routed (the router logits and record stay whole)."""
         opts = self.routing
         logits = tiled_linear(x, self.gate.weight) if opts.deterministic else self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
@@ -294,9 +300,12 @@ class MoE(nn.Module):
         slot = torch.arange(x.shape[0] * self.top_k, device=x.device)  # token * top_k + k
         token = slot // self.top_k
         expert, slot_weight = ids.reshape(-1), weights.reshape(-1)
-        if keep is not None:
-            kept = keep.reshape(-1)
-            slot, token, expert, slot_weight = slot[kept], token[kept], expert[kept], slot_weight[kept]
+        run = None if keep is None else keep.reshape(-1)
+        if used is not None:
+            wanted = used.repeat_interleave(self.top_k)
+            run = wanted if run is None else run & wanted
+        if run is not None:
+            slot, token, expert, slot_weight = slot[run], token[run], expert[run], slot_weight[run]
         if self.expert_parallel is not None:
             out = self.expert_parallel.dispatch(self, x, token, expert, slot_weight)
         else:
@@ -374,10 +383,12 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", make_linear)
 
-    def forward(self, h, rope, mask, cache, before, collect_kv: bool, forced, valid, layout=None):
+    def forward(self, h, rope, mask, cache, before, collect_kv: bool, forced, valid, layout=None, used=None):
         """The residual stream h (B, T, hidden), or (N, hidden) with a `layout`, through attention
         and MLP/MoE -> (h, this layer's (k, v) when collected, router logits (..., E) and routing
-        record (..., K) of a MoE layer, shaped as h)."""
+        record (..., K) of a MoE layer, shaped as h). `used` (rows of h flattened, distinct): the
+        only rows of the output read afterwards (the last layer of a forward whose head reads a
+        few rows): the MLP or the experts run on those alone, the other rows keep h + attention."""
         attn = self.self_attn(self.input_layernorm(h), rope, mask, cache, before, collect_kv, layout)
         pair = None
         if collect_kv:
@@ -385,9 +396,16 @@ class DecoderLayer(nn.Module):
         h = h + attn
         x = self.post_attention_layernorm(h)
         if not self.is_moe:
-            return h + self.mlp(x), pair, None, None
+            if used is None:
+                return h + self.mlp(x), pair, None, None
+            flat = x.reshape(-1, x.shape[-1])
+            y = torch.zeros_like(flat).index_copy(0, used, self.mlp(flat.index_select(0, used)))
+            return h + y.view_as(h), pair, None, None
         lead = h.shape[:-1]
-        y, logits, ids = self.mlp(x.reshape(-1, x.shape[-1]), forced, valid)
+        rows = None
+        if used is not None:
+            rows = torch.zeros(lead.numel(), dtype=torch.bool, device=h.device).index_fill_(0, used, True)
+        y, logits, ids = self.mlp(x.reshape(-1, x.shape[-1]), forced, valid, rows)
         # explicit widths: a pass of no tokens (every response one token long) has no -1 to infer
         y, logits, ids = (t.view(*lead, t.shape[-1]) for t in (y, logits, ids))
         return h + y, pair, logits, ids
@@ -562,6 +580,10 @@ class Transformer(nn.Module):
             h, valid = layout.pack(h), valid.index_select(0, layout.tokens)
         router_logits, routed = [], []
         kv: list | None = [] if collect_kv else None  # returned, not passed in: FSDP2 rebuilds arguments
+        head_at = None  # the rows of h that the head reads
+        if head_rows is not None:
+            head_at = head_rows if layout is None else layout.rows_of(head_rows)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache, i, cache_rows, positions, length)
             before = None
@@ -571,7 +593,9 @@ class Transformer(nn.Module):
             if forced_experts is not None and layer.is_moe:
                 forced = forced_experts[:, :, len(routed)].reshape(B * T, -1)
                 forced = forced if layout is None else forced.index_select(0, layout.tokens)
-            args = (h, rope, mask, layer_cache, before, collect_kv, forced, valid, layout)
+            # past the last layer only the head's rows are read: its MLP runs on those alone
+            used = head_at.unique() if head_at is not None and i == last else None
+            args = (h, rope, mask, layer_cache, before, collect_kv, forced, valid, layout, used)
             if self.recompute_activations and cache is None and torch.is_grad_enabled():
                 h, pair, logits, ids = checkpoint(layer, *args, use_reentrant=False)
             else:
@@ -590,13 +614,9 @@ class Transformer(nn.Module):
         if head_rows is not None:  # the caller runs the LM head on these rows (training: responses only)
             if layout is not None:
                 return ModelOutput(
-                    None,
-                    router_logits,
-                    experts,
-                    kv,
-                    head_hidden=hidden.index_select(0, layout.rows_of(head_rows)),
+                    None, router_logits, experts, kv, head_hidden=hidden.index_select(0, head_at)
                 )
-            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head_rows)
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, head_at)
             return ModelOutput(None, router_logits, experts, kv, head_hidden=rows)
         if layout is not None:
             hidden = layout.pad(hidden)
