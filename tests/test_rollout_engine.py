@@ -12,7 +12,7 @@ from miles.data import Status
 from miles.models import save_model
 from miles.rollout import Engine, Request, SamplingParams
 from miles.rollout.engine import EngineTimes
-from miles.rollout.sampling import sample_tokens
+from miles.rollout.sampling import Uniforms, sample_tokens
 from tests.conftest import random_model, response_logprobs
 
 
@@ -62,6 +62,22 @@ def test_sampler_matches_known_distribution_chi_square():
     p_value = torch.special.gammaincc(torch.tensor(7 / 2, dtype=torch.double), chi2 / 2)
     assert p_value > 1e-3, (chi2, p_value)
     torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # reported: softmax(logits / T)
+
+
+@pytest.mark.parametrize("block", [1, 3, 16])
+def test_uniforms_read_ahead_are_the_generators_numbers_one_at_a_time(block):
+    """The engine reads each request's generator a block at a time; the numbers, in order, are
+    those of one draw at a time, so the tokens are what they were without reading ahead."""
+    ahead = Uniforms(torch.Generator().manual_seed(7), block)
+    one_by_one = torch.Generator().manual_seed(7)
+    got = [ahead.next() for _ in range(40)]
+    assert got == [float(torch.rand((), generator=one_by_one)) for _ in range(40)]
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
+    args = (torch.ones(5), torch.full((5,), -1), torch.ones(5))
+    streams = [Uniforms(torch.Generator().manual_seed(i), block) for i in range(5)]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    for _ in range(4):
+        assert torch.equal(sample_tokens(logits, *args, streams)[0], sample_tokens(logits, *args, gens)[0])
 
 
 def test_top_k_top_p_never_leave_the_allowed_set():

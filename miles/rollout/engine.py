@@ -32,7 +32,7 @@ from miles.errors import MilesError
 from miles.models.transformer import Transformer
 from miles.models.vision import prompt_vision
 from miles.rollout.kv_budget import DEFAULT_FRACTION, plan_budget
-from miles.rollout.sampling import Request, Sampler
+from miles.rollout.sampling import Request, Sampler, Uniforms
 from miles.rollout.speculative import SpecStats, Speculator, Timer, accept, verify_probs
 from miles.rollout.steps import DecodeStep, choose_step
 from miles.rollout.weights import apply_named_tensors, served_weights
@@ -61,6 +61,7 @@ class _Running:
     token_versions: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     rope_offset: int = 0  # vision-language: rotary position - cache position after the prompt's images
+    uniforms: Uniforms | None = None  # the generator's numbers a block at a time (no speculative decoding)
     features: list[torch.Tensor] = field(
         default_factory=list
     )  # EAGLE online training: one per response token
@@ -435,6 +436,8 @@ class Engine:
                 | self._markers
             )
             state = _Running(req, free.pop(0), torch.Generator().manual_seed(seed), stop_ids=frozenset(stop))
+            if self.speculator is None:  # nothing but `draw` reads the generator: read it ahead
+                state.uniforms = Uniforms(state.generator, min(req.params.max_new_tokens, 64))
             self._running[state.slot] = state
             if self.draft is not None:
                 self.draft.reset(state.slot)
@@ -599,7 +602,7 @@ class Engine:
         """Sample one token for each state from `logits` (computed from `hidden`); finish the ones
         that stop."""
         tokens, logprobs = self.sampler.sample(
-            logits, [s.request for s in states], [s.generator for s in states]
+            logits, [s.request for s in states], [s.uniforms or s.generator for s in states]
         )
         finished = []
         for b, (s, tok, lp) in enumerate(zip(states, tokens.tolist(), logprobs.tolist())):

@@ -75,12 +75,32 @@ def scale_by_temperature(
     return tempered(logits, t.reshape(-1, *([1] * (logits.dim() - 1)))), greedy
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs (B, V), row b with generator b, by inverting the CDF at one
-    uniform: exact (a token of zero mass is never drawn), on CPU whatever the device of `probs`,
-    so the same seed draws the same token from the same probabilities anywhere."""
+class Uniforms:
+    """A request's uniforms for `draw`, read from its generator `block` at a time: the same
+    numbers in the same order as one `torch.rand((), generator=g)` a draw (a CPU generator fills
+    a block element by element), without a torch call per row and token. Only for a generator
+    that nothing else draws from (the engine's requests without speculative decoding)."""
+
+    def __init__(self, generator: torch.Generator, block: int) -> None:
+        self.generator, self.block = generator, max(1, block)
+        self._ahead: list[float] = []
+
+    def next(self) -> float:
+        if not self._ahead:
+            self._ahead = torch.rand(self.block, generator=self.generator).tolist()[::-1]
+        return self._ahead.pop()
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator] | Sequence[Uniforms]) -> torch.Tensor:
+    """One token per row of probs (B, V), row b with generator b (or its `Uniforms`), by inverting
+    the CDF at one uniform: exact (a token of zero mass is never drawn), on CPU whatever the
+    device of `probs`, so the same seed draws the same token from the same probabilities anywhere."""
     cdf = probs.float().cpu().cumsum(-1)
-    u = torch.stack([torch.rand((), generator=g) for g in generators]) * cdf[:, -1]
+    if generators and isinstance(generators[0], Uniforms):
+        u = torch.tensor([g.next() for g in generators], dtype=torch.float32)
+    else:
+        u = torch.stack([torch.rand((), generator=g) for g in generators])
+    u = u * cdf[:, -1]
     picked = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]  # first index whose cdf exceeds u
     over = picked >= probs.shape[-1]  # u rounded up to the total: the last token of nonzero mass
     if bool(over.any()):
@@ -94,7 +114,7 @@ def sample_tokens(
     temperature: torch.Tensor,  # (B,)
     top_k: torch.Tensor,  # (B,) int
     top_p: torch.Tensor,  # (B,)
-    generators: list[torch.Generator],
+    generators: list[torch.Generator] | list[Uniforms],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,), logprobs (B,)) with logprobs under softmax(logits / temperature); each
     sampled row draws one number from its generator (`draw`), greedy rows take the argmax."""
@@ -141,7 +161,7 @@ class Sampler:
         return made
 
     def sample(
-        self, logits: torch.Tensor, requests: list, generators: list[torch.Generator]
+        self, logits: torch.Tensor, requests: list, generators: list[torch.Generator] | list[Uniforms]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, log-probs) for each row of `logits` (B, V)."""
         return sample_tokens(logits, *self.params(requests), generators)
