@@ -12,6 +12,7 @@ from miles.algo.masked import AGG_MODES
 from miles.data.sample import Sample
 from miles.train import shared_prompt
 from miles.train.batch import forward_logprobs, pack_samples
+from miles.train.shared_prompt import padded_routing
 from tests.conftest import random_model
 from tests.test_shared_prompt import group_samples
 
@@ -27,10 +28,9 @@ def losses_and_grads(model, batch, pad_free: bool, agg: str, full_logits: bool =
     adv = torch.randn(mask.shape[0], 1, generator=gen).expand_as(mask)
     loss = policy_loss(result.logprobs, old, adv, mask, agg=agg, norm_length=16).loss
     loss = loss - 0.01 * (result.entropy * mask).sum() / mask.sum()
-    if result.out.router_logits:
-        loss = loss + sum(
-            (r.softmax(-1)[..., 0] * batch.attention_mask).mean() for r in result.out.router_logits
-        )
+    router_logits, _ = padded_routing(result.out)
+    if router_logits:
+        loss = loss + sum((r.softmax(-1)[..., 0] * batch.attention_mask).mean() for r in router_logits)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss), result.logprobs * mask, grads

@@ -8,6 +8,7 @@ import torch
 from miles.rollout import Engine, Request, SamplingParams
 from miles.train import shared_prompt
 from miles.train.batch import forward_logprobs, pack_samples
+from miles.train.shared_prompt import padded_routing
 from tests.conftest import ARCHS, random_model
 
 
@@ -57,8 +58,9 @@ def test_shared_prompt_forward_equals_the_full_forward(arch, replay, packed, mon
         mask = batch.response_mask
         loss = -(logp * mask * torch.linspace(-1, 1, mask.numel()).view_as(mask)).sum()
         loss = loss + 0.1 * (result.entropy * mask).sum()
-        if out.router_logits:
-            loss = loss + sum((r.softmax(-1)[..., 0] * batch.attention_mask).sum() for r in out.router_logits)
+        router_logits, _ = padded_routing(out)
+        if router_logits:
+            loss = loss + sum((r.softmax(-1)[..., 0] * batch.attention_mask).sum() for r in router_logits)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((logp * mask, result.entropy * mask, out, grads))
@@ -71,9 +73,10 @@ def test_shared_prompt_forward_equals_the_full_forward(arch, replay, packed, mon
 
 def same_routing_and_grads(full_batch, out_a, out_b, g_a, g_b) -> None:
     real = full_batch.attention_mask.bool()
-    if out_a.routed_experts is not None:
-        assert torch.equal(out_a.routed_experts[real], out_b.routed_experts[real])
-        for ra, rb in zip(out_a.router_logits, out_b.router_logits):
+    (logits_a, routed_a), (logits_b, routed_b) = padded_routing(out_a), padded_routing(out_b)
+    if routed_a is not None:
+        assert torch.equal(routed_a[real], routed_b[real])
+        for ra, rb in zip(logits_a, logits_b):
             assert (ra[real] - rb[real]).abs().max() < 1e-4
     assert g_a.keys() == g_b.keys()
     for name in g_a:
@@ -84,3 +87,31 @@ def test_no_shared_prompt_means_the_plain_forward():
     model = random_model("qwen3_moe")
     samples = group_samples(model, n=1)
     assert pack_samples(samples, share_prompts=True).shared is None
+
+
+@pytest.mark.parametrize("aux", [0.0, 0.01])
+def test_packed_groups_log_the_routing_metrics_of_the_full_forward(aux, monkeypatch):
+    """Under routing replay a packed group's router outputs stay one row a group position, each
+    counted once for every sample it stands for: the load, entropy, mismatch and aux-loss
+    figures of a training step are those of the forward that runs every sample whole."""
+    from miles.config import make_config
+    from miles.train.policy_trainer import PolicyTrainer
+
+    monkeypatch.setattr(shared_prompt, "PACK_RATIO", float("inf"))
+    samples = group_samples(random_model("qwen3_moe", seed=3))
+    advantages = [torch.linspace(-1, 1, s.response_length) for s in samples]
+    metrics = {}
+    for share in (False, True):
+        cfg = make_config(
+            dict(rollout_batch_size=3, n_samples_per_prompt=4, micro_batch_size=12, lr=1e-30, use_r3=True,
+                 share_prompts=share, aux_loss_coef=aux, eval_size=0, rollout_max_response_len=8)
+        )  # fmt: skip
+        metrics[share] = PolicyTrainer(random_model("qwen3_moe", seed=3).train(), cfg).train(
+            samples, advantages
+        )
+    plain, packed = metrics[False], metrics[True]
+    assert plain.keys() == packed.keys()
+    moe = [k for k in plain if k.startswith(("expert_", "router_", "routing_", "aux_"))]
+    assert "router_entropy" in moe and "routing_mismatch_frac" in moe and ("aux_loss" in moe) == (aux > 0)
+    for k in plain:
+        assert packed[k] == pytest.approx(plain[k], rel=1e-5, abs=1e-7), k

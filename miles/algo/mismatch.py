@@ -98,26 +98,27 @@ def mismatch_metrics(
 
 
 def routing_mismatch(
-    router_logits: torch.Tensor, recorded: torch.Tensor, mask: torch.Tensor
+    router_logits: torch.Tensor, recorded: torch.Tensor, weight: torch.Tensor
 ) -> dict[str, float]:
     """How often the trainer's own top-k experts differ from those the rollout engine used.
 
     `router_logits`: (B, T, layers, E), every MoE layer's; `recorded`: (B, T, layers, K) expert
     ids from the rollout (-(e + 2) for a slot dropped over capacity), -1 where none was recorded;
-    `mask`: (B, T) positions to count. A decision is one (token, layer) top-k set (order
-    ignored). Returns the fraction of decisions that differ and the fraction of tokens with at
-    least one differing layer ("different experts activated during train vs inference"; R3
-    replays the recorded ones instead).
+    `weight`: (B, T) how many times each position counts (a mask: 0 or 1). A decision is one
+    (token, layer) top-k set (order ignored). Returns the fraction of decisions that differ and
+    the fraction of tokens with at least one differing layer ("different experts activated
+    during train vs inference"; R3 replays the recorded ones instead).
     """
     k = recorded.shape[-1]
     rec = recorded.to(router_logits.device)
-    valid = mask.bool() & (rec != NO_RECORD).all(-1).all(-1)
+    valid = (weight > 0) & (rec != NO_RECORD).all(-1).all(-1)
     if not valid.any():
         return {}
     own = router_logits[valid].detach().topk(k, dim=-1).indices.sort(-1).values  # (N, layers, K)
     # a slot dropped over capacity still names the expert chosen
     differ = (own != decode_experts(rec[valid]).sort(-1).values).any(-1)  # (N, layers)
+    times = weight[valid].double()
     return {
-        "routing_mismatch_frac": float(differ.float().mean()),
-        "routing_mismatch_token_frac": float(differ.any(-1).float().mean()),
+        "routing_mismatch_frac": float((differ.double().mean(-1) * times).sum() / times.sum()),
+        "routing_mismatch_token_frac": float((differ.any(-1).double() * times).sum() / times.sum()),
     }

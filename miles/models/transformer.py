@@ -44,6 +44,9 @@ class ModelOutput:
     token_logprobs: torch.Tensor | None = None  # (N,) log-prob of each asked target (`forward_logprobs`)
     token_entropy: torch.Tensor | None = None  # (N,) entropy at each asked position (`forward_logprobs`)
     head_hidden: torch.Tensor | None = None  # (N, H) with head_rows: the final-normed hidden rows asked for
+    # set where router_logits and routed_experts stay in a compact layout (a packed group's prompt
+    # once): (B, T) each position's row among their flattened leading dimensions
+    routing_rows: torch.Tensor | None = None
 
 
 @dataclass

@@ -24,41 +24,51 @@ MAX_EXPERTS_LISTED = 64  # per-expert shares are logged up to this many experts
 
 
 def routing_counts(
-    record: torch.Tensor, mask: torch.Tensor, n_experts: int
+    record: torch.Tensor, weight: torch.Tensor, n_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, kept) slot counts per layer and expert, each (L, E) float64, over the real tokens
-    of a routing record (B, T, L, K): `chosen` counts every slot's expert (before capacity),
-    `kept` only the slots that were not dropped."""
-    rec = record[mask.bool()]  # (N, L, K)
-    L = rec.shape[1]
+    """(chosen, kept) slot counts per layer and expert, each (L, E) float64, over the tokens of a
+    routing record (B, T, L, K), each counted `weight` (B, T) times (the attention mask: once
+    each real token; a packed group's prompt row: once for each sample it stands for): `chosen`
+    counts every slot's expert (before capacity), `kept` only the slots that were not dropped."""
+    counted = weight > 0
+    rec = record[counted]  # (N, L, K)
+    N, L, K = rec.shape
+    times = weight[counted].double().repeat_interleave(L * K)
     experts = decode_experts(rec).clamp(min=0)
     layer = torch.arange(L, device=rec.device)[None, :, None].expand_as(rec)
     flat = (layer * n_experts + experts).reshape(-1)
-    chosen = torch.bincount(flat, minlength=L * n_experts).view(L, n_experts)
-    kept = torch.bincount(flat[~dropped(rec).reshape(-1)], minlength=L * n_experts).view(L, n_experts)
-    return chosen.double().cpu(), kept.double().cpu()
+    chosen = torch.bincount(flat, times, minlength=L * n_experts).view(L, n_experts)
+    not_dropped = ~dropped(rec).reshape(-1)
+    kept = torch.bincount(flat[not_dropped], times[not_dropped], minlength=L * n_experts)
+    return chosen.cpu(), kept.view(L, n_experts).cpu()
 
 
 def load_balancing_loss(
-    router_logits: list[torch.Tensor], mask: torch.Tensor, chosen: torch.Tensor
+    router_logits: list[torch.Tensor], weight: torch.Tensor, chosen: torch.Tensor
 ) -> torch.Tensor:
     """E * sum_i f_i * P_i per layer, averaged over layers; f from `chosen` (L, E) counts (this
-    forward's, or pooled over the step for the global variant), P from these router logits."""
-    m = mask.bool()
+    forward's, or pooled over the step for the global variant), P from these router logits, a
+    mean over the tokens, each counted `weight` (B, T) times (see `routing_counts`)."""
+    counted = weight > 0
+    times = weight[counted].float()[:, None]
     f = chosen / chosen.sum(-1, keepdim=True).clamp(min=1)
     losses = []
     for layer, logits in enumerate(router_logits):
-        probs = logits.float().softmax(-1)[m]  # (N, E)
+        probs = logits.float().softmax(-1)[counted]  # (N, E)
         E = probs.shape[-1]
-        losses.append(E * (f[layer].to(probs) * probs.mean(0)).sum())
+        mean = (probs * times).sum(0) / times.sum()
+        losses.append(E * (f[layer].to(probs) * mean).sum())
     return torch.stack(losses).mean()
 
 
-def router_entropy_sum(router_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per layer, the sum over real tokens of the router distribution's entropy (nats), (L,)
-    float64; `router_logits` (B, T, L, E), every MoE layer's at once (one pass, not one a layer)."""
-    logp = router_logits[mask.bool()].detach().float().log_softmax(-1)  # (N, L, E)
-    return -(logp.exp() * logp).sum((0, 2)).double().cpu()
+def router_entropy_sum(router_logits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per layer, the sum over tokens (each counted `weight` (B, T) times) of the router
+    distribution's entropy (nats), (L,) float64; `router_logits` (B, T, L, E), every MoE layer's
+    at once (one pass, not one a layer)."""
+    counted = weight > 0
+    logp = router_logits[counted].detach().float().log_softmax(-1)  # (N, L, E)
+    per_token = -(logp.exp() * logp).sum(-1)  # (N, L)
+    return (per_token.double() * weight[counted].double()[:, None]).sum(0).cpu()
 
 
 class LoadAccumulator:

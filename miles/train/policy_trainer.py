@@ -656,12 +656,24 @@ class PolicyTrainer:
 
     def _moe_terms(self, out, batch: PackedBatch, samples, denominator: float, parts: dict) -> torch.Tensor:
         """The aux loss share of this micro-batch (0 when off); records load counts and the
-        train/rollout routing mismatch."""
+        train/rollout routing mismatch, over every real position of the padded batch."""
         cfg = self.cfg
         mask = batch.attention_mask
-        chosen, kept = routing_counts(out.routed_experts, mask, self.model.config.num_experts)
+        weight, recorded = (
+            mask,
+            batch.forced_experts,
+        )  # R3 packed the recorded routing, unless a plan carries it
+        if (
+            out.routing_rows is not None
+        ):  # packed groups: each row counted once for each position it stands for
+            rows = out.routed_experts.shape[0] * out.routed_experts.shape[1]
+            weight = torch.bincount(out.routing_rows[mask.bool()], minlength=rows).view(
+                out.routed_experts.shape[:2]
+            )
+            recorded = batch.shared.group_forced
+        chosen, kept = routing_counts(out.routed_experts, weight, self.model.config.num_experts)
         every_layer = torch.stack([lg.detach() for lg in out.router_logits], dim=2)  # (B, T, layers, E)
-        self.load.add(chosen, kept, router_entropy_sum(every_layer, mask), float(mask.sum()))
+        self.load.add(chosen, kept, router_entropy_sum(every_layer, weight), float(mask.sum()))
         aux_share = torch.zeros((), device=self.device)
         if cfg.train.aux_loss_coef > 0:
             counts = chosen
@@ -673,13 +685,12 @@ class PolicyTrainer:
                 self.step_chosen = counts
             # a product of batch statistics, not a sum over tokens: computed per micro-batch (as
             # Megatron does) and weighted by the micro-batch's share of the global batch
-            aux = load_balancing_loss(out.router_logits, mask, counts)
+            aux = load_balancing_loss(out.router_logits, weight, counts)
             aux = aux * loss_denominator(samples, cfg.algo.loss_agg_mode) / denominator
             aux_share = cfg.train.aux_loss_coef * aux
             parts["aux_loss"] = float(aux.detach())
         if all(s.rollout_routed_experts is not None for s in samples):
-            recorded = batch.forced_experts  # R3 already packed it, unless the shared-prompt plan carries it
             if recorded is None:
                 recorded = recorded_routing(samples, mask.shape[1])
-            parts.update(routing_mismatch(every_layer, recorded, mask))
+            parts.update(routing_mismatch(every_layer, recorded, weight))
         return aux_share

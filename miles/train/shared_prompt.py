@@ -236,14 +236,39 @@ def packed_forward(
         forced_experts=plan.group_forced, head_rows=rows, pad_free=pad_free, attend=plan.group_attend,
     )  # fmt: skip
 
-    def full(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, *x.shape[2:]).index_select(0, where).view(*plan.gather.shape, *x.shape[2:])
-
-    routed = None if out.routed_experts is None else full(out.routed_experts)
-    router_logits = [full(r) for r in out.router_logits]
+    logits = None
     if head_rows is None:
-        return ModelOutput(full(out.logits), router_logits, routed)
-    return ModelOutput(None, router_logits, routed, head_hidden=out.head_hidden)
+        logits = (
+            out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, where).view(*plan.gather.shape, -1)
+        )
+    compact = ModelOutput(
+        logits,
+        out.router_logits,
+        out.routed_experts,
+        head_hidden=out.head_hidden,
+        routing_rows=plan.group_gather,
+    )
+    if plan.group_forced is not None:
+        # the recorded routing is in the group layout too (`group_forced`): the router's outputs
+        # stay one row a group position, each standing for the positions that map to it
+        return compact
+    router_logits, routed = padded_routing(compact)
+    return ModelOutput(logits, router_logits, routed, head_hidden=out.head_hidden)
+
+
+def padded_routing(out: ModelOutput) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """(router logits per layer (B, T, E), routed experts (B, T, layers, K)) of a training forward
+    in the padded layout, wherever its rows were kept compact (`ModelOutput.routing_rows`)."""
+    if out.routing_rows is None:
+        return out.router_logits, out.routed_experts
+    rows = out.routing_rows
+
+    def full(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, *x.shape[2:]).index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[2:])
+
+    return [full(r) for r in out.router_logits], None if out.routed_experts is None else full(
+        out.routed_experts
+    )
 
 
 def in_order(parts: list[torch.Tensor], picks: list[torch.Tensor]) -> torch.Tensor:
