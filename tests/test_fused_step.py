@@ -407,3 +407,26 @@ def test_int4_engines_choose_the_fused_step_unless_bf16_activations_are_asked_fo
     if any(m.kernel for m in bf16.modules() if isinstance(m, Int4Linear)):  # a torch build with the kernel
         engine = Engine(bf16, max_batch_size=2, max_seq_len=32)
         assert engine.decode_step.name == "general" and "bf16 activations" in engine.decode_path
+
+
+def test_experts_filling_whole_panels_pack_in_one_copy_a_projection_as_part_by_part(monkeypatch):
+    """Experts whose projections fill whole panels are packed all at once a projection; the
+    buffers are bitwise those of packing each expert's parts one by one, and the step's logits
+    equal the general forward's."""
+    model = random_model("qwen3_moe", seed=2, moe_intermediate_size=128)
+    at_once = FusedStep(model)
+    at_once._pack()
+    assert any(at_once._stackable.values())
+    monkeypatch.setattr(fused_step, "_stackable", lambda parts: False)
+    one_by_one = FusedStep(model)
+    one_by_one._pack()
+    assert not any(one_by_one._stackable.values())
+    assert at_once._buffers.keys() == one_by_one._buffers.keys()
+    for key, packed in at_once._buffers.items():
+        assert torch.equal(packed, one_by_one._buffers[key]), key
+    ids = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(3, 16)
+    out = at_once.prefill(ids, torch.full((3,), 7), torch.arange(3), cache)
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1]
+    assert (out.logits[:, 0] - ref).abs().max() < 1e-4
