@@ -16,6 +16,7 @@ once, so they do); samples whose prompts differ in either way are simply differe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -62,8 +63,11 @@ class SharedPrompts:
 PACK_RATIO = 3.0
 
 
-def _routed(s: Sample) -> np.ndarray:
-    return np.asarray(s.rollout_routed_experts).astype(np.int64)
+def ragged(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenated ranges [starts[i], starts[i] + counts[i]), as one index array."""
+    counts = np.asarray(counts, dtype=np.int64)
+    before = np.cumsum(counts) - counts
+    return np.repeat(np.asarray(starts, dtype=np.int64) - before, counts) + np.arange(counts.sum())
 
 
 def plan_shared_prompts(
@@ -71,36 +75,40 @@ def plan_shared_prompts(
 ) -> SharedPrompts | None:
     """The shared-prompt layout of `samples`, or None when no two samples share a prompt; with
     the packed layout too where `pack` allows it and it is the cheaper (`PACK_RATIO`)."""
-    routed = [_routed(s) for s in samples] if replay_routing else None
+    B = len(samples)
+    lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
+    plen = lengths - np.array([s.response_length for s in samples], dtype=np.int64)
+    n_resp = lengths - 1 - plen  # response inputs: every response token but the last
+    flat = np.fromiter(itertools.chain.from_iterable(s.tokens for s in samples), np.int64, int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths  # each sample's first token in `flat`
+    routed = r_starts = None
+    if replay_routing:  # every fed token's experts: len(tokens) - 1 rows a sample
+        routed = np.concatenate([np.asarray(s.rollout_routed_experts) for s in samples]).astype(np.int64)
+        r_starts = np.cumsum(lengths - 1) - (lengths - 1)
     keys: dict[bytes, int] = {}
-    rows, firsts = [], []
-    for b, s in enumerate(samples):
-        p = s.prompt_length
-        key = np.asarray(s.tokens[:p], dtype=np.int64).tobytes()
+    rows_list, firsts_list = [], []
+    for b in range(B):
+        key = flat[starts[b] : starts[b] + plen[b]].tobytes()
         if routed is not None:
-            key += routed[b][:p].tobytes()
+            key += routed[r_starts[b] : r_starts[b] + plen[b]].tobytes()
         if key not in keys:
-            keys[key] = len(firsts)
-            firsts.append(b)
-        rows.append(keys[key])
-    if len(firsts) == len(samples):
+            keys[key] = len(firsts_list)
+            firsts_list.append(b)
+        rows_list.append(keys[key])
+    if len(firsts_list) == B:
         return None
-    B, P = len(samples), len(firsts)
-    rows = np.array(rows, dtype=np.int64)
-    plen = np.array([s.prompt_length for s in samples], dtype=np.int64)
+    P = len(firsts_list)
+    rows, firsts = np.array(rows_list, dtype=np.int64), np.array(firsts_list, dtype=np.int64)
     prompt_lens = plen[firsts]
-    n_resp = np.array([len(s.tokens) - 1 for s in samples], dtype=np.int64) - plen  # response inputs
     S = int(prompt_lens.max())
     R = max(1, int(n_resp.max()))
     T = int((plen + n_resp).max()) + 1
-    prompt_ids = np.zeros((P, S), dtype=np.int64)
-    for i, b in enumerate(firsts):
-        prompt_ids[i, : prompt_lens[i]] = samples[b].tokens[: prompt_lens[i]]
     prompt_mask = np.arange(S)[None, :] < prompt_lens[:, None]
-    resp_ids = np.zeros((B, R), dtype=np.int64)
-    for b, s in enumerate(samples):
-        resp_ids[b, : n_resp[b]] = s.tokens[plen[b] : plen[b] + n_resp[b]]
+    prompt_ids = np.zeros((P, S), dtype=np.int64)
+    prompt_ids[prompt_mask] = flat[ragged(starts[firsts], prompt_lens)]
     resp_mask = np.arange(R)[None, :] < n_resp[:, None]
+    resp_ids = np.zeros((B, R), dtype=np.int64)
+    resp_ids[resp_mask] = flat[ragged(starts + plen, n_resp)]
     resp_positions = plen[:, None] + np.arange(R)[None, :]
     # full-layout position t of row b: its prompt's row at t < p, then its response slots
     t = np.arange(T - 1)[None, :]
@@ -109,58 +117,55 @@ def plan_shared_prompts(
     gather = np.where(in_prompt | (t < (plen + n_resp)[:, None]), gather, 0)
     prompt_forced = resp_forced = None
     if routed is not None:
-        n_moe, top_k = routed[0].shape[1:]
+        n_moe, top_k = routed.shape[1:]
         prompt_forced = np.full((P, S, n_moe, top_k), -1, dtype=np.int64)
+        prompt_forced[prompt_mask] = routed[ragged(r_starts[firsts], prompt_lens)]
         resp_forced = np.full((B, R, n_moe, top_k), -1, dtype=np.int64)
-        for i, b in enumerate(firsts):
-            prompt_forced[i, : plen[b]] = routed[b][: plen[b]]
-        for b in range(B):
-            part = routed[b][plen[b] : plen[b] + n_resp[b]]
-            resp_forced[b, : len(part)] = part
+        resp_forced[resp_mask] = routed[ragged(r_starts + plen, n_resp)]
         prompt_forced, resp_forced = torch.from_numpy(prompt_forced), torch.from_numpy(resp_forced)
-    t = torch.from_numpy
+    to = torch.from_numpy
     plan = SharedPrompts(
-        t(prompt_ids), t(prompt_mask), prompt_forced, t(resp_ids), t(resp_mask), t(resp_positions), resp_forced,
-        t(rows), t(gather),
+        to(prompt_ids), to(prompt_mask), prompt_forced, to(resp_ids), to(resp_mask), to(resp_positions),
+        resp_forced, to(rows), to(gather),
     )  # fmt: skip
-    members = [np.flatnonzero(rows == i) for i in range(P)]
-    lengths = np.array([prompt_lens[i] + n_resp[m].sum() for i, m in enumerate(members)], dtype=np.int64)
+    group_lengths = prompt_lens + np.bincount(rows, weights=n_resp, minlength=P).astype(np.int64)
     split_cost = (prompt_lens**2).sum() + (n_resp * (plen + n_resp)).sum()
-    if not pack or (lengths**2).sum() > PACK_RATIO * split_cost:
+    if not pack or (group_lengths**2).sum() > PACK_RATIO * split_cost:
         return plan
-    # one row a group: the prompt, then its responses one after another, each attending the
-    # prompt and itself (positions restart after the prompt)
-    L = int(lengths.max())
-    group_ids = np.zeros((P, L), dtype=np.int64)
-    group_pos = np.zeros((P, L), dtype=np.int64)
-    seg = np.full((P, L), -2, dtype=np.int64)
+    # one row a group: the prompt, then its responses one after another (in sample order), each
+    # attending the prompt and itself (positions restart after the prompt)
+    L = int(group_lengths.max())
+    order = np.argsort(rows, kind="stable")  # samples group by group
+    before = np.cumsum(n_resp[order]) - n_resp[order]  # response inputs ahead of it, counted over all
+    first_of_group = np.searchsorted(rows[order], np.arange(P))
+    at = np.empty(B, dtype=np.int64)  # where each response starts in its group's row
+    at[order] = prompt_lens[rows[order]] + before - before[first_of_group[rows[order]]]
+    prompt_cells = ragged(np.arange(P) * L, prompt_lens)  # flat (P * L) cells of the prompts
+    resp_cells = ragged(rows * L + at, n_resp)  # and of the responses, sample by sample
+    group_ids = np.zeros(P * L, dtype=np.int64)
+    group_pos = np.zeros(P * L, dtype=np.int64)
+    seg = np.full(P * L, -2, dtype=np.int64)
+    group_ids[prompt_cells], group_ids[resp_cells] = prompt_ids[prompt_mask], resp_ids[resp_mask]
+    group_pos[prompt_cells], group_pos[resp_cells] = (
+        np.arange(S)[None, :].repeat(P, 0)[prompt_mask],
+        resp_positions[resp_mask],
+    )
+    seg[prompt_cells], seg[resp_cells] = -1, np.repeat(np.arange(B), n_resp)
     where = np.zeros(P * S + B * R, dtype=np.int64)
-    for i, m in enumerate(members):
-        n = prompt_lens[i]
-        group_ids[i, :n], group_pos[i, :n], seg[i, :n] = prompt_ids[i, :n], np.arange(n), -1
-        where[i * S : i * S + n] = i * L + np.arange(n)
-        at = n
-        for b in m:
-            k = n_resp[b]
-            group_ids[i, at : at + k] = resp_ids[b, :k]
-            group_pos[i, at : at + k] = resp_positions[b, :k]
-            seg[i, at : at + k] = b
-            where[P * S + b * R : P * S + b * R + k] = i * L + at + np.arange(k)
-            at += k
+    where[np.flatnonzero(prompt_mask.reshape(-1))] = prompt_cells
+    where[P * S + np.flatnonzero(resp_mask.reshape(-1))] = resp_cells
+    group_ids, group_pos, seg = group_ids.reshape(P, L), group_pos.reshape(P, L), seg.reshape(P, L)
     valid = seg > -2
     causal = np.arange(L)[None, :, None] >= np.arange(L)[None, None, :]
     attend = causal & valid[:, None, :] & ((seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None]))
     group_forced = None
     if routed is not None:
-        flat = torch.cat(
-            [prompt_forced.reshape(P * S, n_moe, top_k), resp_forced.reshape(B * R, n_moe, top_k)]
-        )
         group_forced = torch.full((P * L, n_moe, top_k), -1, dtype=torch.long)
-        keep = torch.from_numpy(np.concatenate([prompt_mask.reshape(-1), resp_mask.reshape(-1)]))
-        group_forced[torch.from_numpy(where)[keep]] = flat[keep]
+        group_forced[torch.from_numpy(prompt_cells)] = prompt_forced[torch.from_numpy(prompt_mask)]
+        group_forced[torch.from_numpy(resp_cells)] = resp_forced[torch.from_numpy(resp_mask)]
         group_forced = group_forced.view(P, L, n_moe, top_k)
-    plan.group_ids, plan.group_valid, plan.group_positions = t(group_ids), t(valid), t(group_pos)
-    plan.group_attend, plan.group_forced, plan.group_gather = t(attend), group_forced, t(where[gather])
+    plan.group_ids, plan.group_valid, plan.group_positions = to(group_ids), to(valid), to(group_pos)
+    plan.group_attend, plan.group_forced, plan.group_gather = to(attend), group_forced, to(where[gather])
     return plan
 
 
