@@ -205,8 +205,8 @@ def test_a_step_without_any_advantage_still_steps_adamw():
         )
         assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
         weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    for name, w in weights[0].items():
-        assert torch.allclose(w, weights[1][name], atol=1e-6, rtol=1e-5), name
+    for name, w in weights[0].items():  # ~1e-3 of a step: Adam scales the gradients' rounding up
+        assert torch.allclose(w, weights[1][name], atol=1e-5, rtol=1e-5), name
 
 
 def test_two_optimizer_steps_a_rollout_skip_the_same_samples_exactly():

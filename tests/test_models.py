@@ -78,6 +78,8 @@ def test_gradients_match_transformers(arch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_backward_equals_autograd_of_its_formula(dtype):
+    """The hand-written backward (C++ on CPU in fp32, torch operators otherwise) against autograd
+    through the formula; a frozen weight gets no gradient computed."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(6, 5, 16, generator=gen) * 3).to(dtype).requires_grad_()
     norm = RMSNorm(16, 1e-6)
@@ -91,7 +93,8 @@ def test_rms_norm_backward_equals_autograd_of_its_formula(dtype):
     out = norm(x)
     out.backward(grad)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.equal(out, ref)
+    # fp32 on CPU: the C++ pass (its own order of summation), else the formula's operators
+    assert (out.float() - ref.float()).abs().max() <= 1e-6 * ref.float().abs().max()
     assert (x.grad.float() - x_ref.grad.float()).abs().max() <= tol * x_ref.grad.float().abs().max()
     assert (norm.weight.grad - w_ref.grad).abs().max() <= 1e-5 * w_ref.grad.abs().max()
     norm.weight.requires_grad_(False)  # frozen (LoRA): no weight gradient computed

@@ -19,6 +19,7 @@ from miles.errors import MilesError
 from miles.models.config import ModelConfig
 from miles.models.kv_cache import KVCache, Rows
 from miles.models.linear import LinearFactory, default_linear
+from miles.models.norm import RMSNorm
 from miles.models.routing import (
     NO_RECORD,
     RoutingOptions,
@@ -91,44 +92,6 @@ class Layout:
         if bool((rows < 0).any()):
             raise ValueError("head_rows names a padding position")
         return rows
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """weight * x / rms(x), rms in fp32, with a hand-written backward: autograd through the
-    composite would save and revisit four temporaries of x's size and run about twice the
-    operators (a norm runs 2-4 times a layer, on every token)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.float()
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        normed = h * rstd
-        ctx.save_for_backward(normed, rstd, weight)
-        ctx.dtype = x.dtype
-        return weight * normed.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        normed, rstd, weight = ctx.saved_tensors
-        g = grad.float()
-        grad_x = grad_weight = None
-        if ctx.needs_input_grad[1]:
-            seen = normed.to(ctx.dtype).float()  # what the weight multiplied (rounded as forward did)
-            grad_weight = (g * seen).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            gn = g * weight.float()  # d/d(normed); normed = x * rstd, rstd = mean(x^2)^(-1/2)
-            grad_x = ((gn - normed * (gn * normed).mean(-1, keepdim=True)) * rstd).to(ctx.dtype)
-        return grad_x, grad_weight, None
 
 
 def rope_cos_sin(

@@ -13,9 +13,8 @@ each GEMM dequantizes 64 rows at a time into an L1-resident buffer, so an INT4 e
 exactly the fp32 step on its grid weights; each MoE layer runs each chosen expert on the rows
 that chose it; a prefill is the same call on sequences of many tokens.
 
-The source is compiled on first use with the system's C++ compiler (`-O3 -march=native
--fopenmp`, a few seconds, no torch headers) into a cache directory (`$MILES_KERNEL_CACHE`, else
-`~/.cache/miles/kernels`), keyed by the source, the compiler and the CPU, and loaded with ctypes.
+The source is compiled on first use (`miles.native`: the system's C++ compiler, a cache on
+disk, ctypes).
 
 Rounding: the summation orders differ from ATen's (and the softmax's exponential is a
 polynomial to about 1 ulp), so logits match the general forward's to fp32 rounding, not bitwise;
@@ -30,13 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -45,6 +38,7 @@ import torch.nn.functional as F
 
 from miles.models.kv_cache import KVCache
 from miles.models.transformer import ModelOutput, MoE, Transformer
+from miles.native import NO_COMPILER, build, compiler
 from miles.quant.int4 import unpack_int4
 from miles.quant.int4_linear import Int4Linear
 
@@ -55,7 +49,6 @@ SOURCE = Path(__file__).with_name("fused.cpp")
 # than split the rows: weights streamed from memory (more than STREAMED bytes) are worth sharing
 # up to more tokens than weights that stay in cache, where sharing costs a barrier a product.
 WIDE_BELOW, WIDE_BELOW_STREAMED, STREAMED = 16, 32, 64 * 1024**2
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
 class _Config(ctypes.Structure):
@@ -86,51 +79,10 @@ class _Layer(ctypes.Structure):  # fused.cpp's FusedLayer, field for field
     ]  # fmt: skip
 
 
-NO_COMPILER = "no C++ compiler on PATH (g++, c++ or clang++, or set CXX)"
-
-
-def compiler() -> str | None:
-    """The C++ compiler on PATH: $CXX, else g++, c++ or clang++ (None: none)."""
-    for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    return None
-
-
-def _cpu_key() -> str:
-    """What `-march=native` depends on: the CPU's model and flags, where Linux says."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MILES_KERNEL_CACHE", Path.home() / ".cache" / "miles" / "kernels"))
-
-
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled step, built on first use and cached on disk."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError(NO_COMPILER)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS, _cpu_key()]).encode())
-    target = cache_dir() / f"fused_step-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run(
-                [cxx, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"{cxx} could not build {SOURCE.name}:\n{done.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: engines building at once each load a whole file
-        log.info("rollout engine: built the fused decode step (%s)", target)
-    lib = ctypes.CDLL(str(target))
+    lib = build(SOURCE, "fused_step", "the fused decode step")
     lib.miles_fused_forward.restype = None
     lib.miles_fused_forward.argtypes = [ctypes.POINTER(_Config), ctypes.POINTER(_Layer), ctypes.c_int64] + [
         ctypes.c_void_p
