@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from miles.models import save_model
-from miles.models.transformer import RMSNorm
+from miles.models.row_ops import RMSNorm, apply_rope
 from tests.conftest import random_model
 
 
@@ -101,6 +101,25 @@ def test_rms_norm_backward_equals_autograd_of_its_formula(dtype):
     x.grad = None
     norm(x).backward(grad)
     assert x.grad is not None and norm.weight.grad is not None  # the earlier one, untouched
+
+
+def test_rope_pass_equals_the_rotation_formula_forward_and_backward():
+    """RoPE as one C++ pass on CPU (from the projection's token-major layout, as attention calls
+    it) against autograd through the formula x cos + rotate_half(x) sin."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, D = 3, 5, 4, 16
+    tokens_major = torch.randn(B, T, H, D, generator=gen).requires_grad_()
+    angles = torch.randn(B, T, D // 2, generator=gen).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    grad = torch.randn(B, H, T, D, generator=gen)
+    out = apply_rope(tokens_major.transpose(1, 2), cos, sin)
+    out.backward(grad)
+    x = tokens_major.detach().clone().requires_grad_()
+    xh = x.transpose(1, 2)
+    ref = xh * cos[:, None] + torch.cat([-xh[..., D // 2 :], xh[..., : D // 2]], -1) * sin[:, None]
+    ref.backward(grad)
+    assert (out - ref).abs().max() < 1e-6
+    assert (tokens_major.grad - x.grad).abs().max() < 1e-6
 
 
 def test_kv_cache_decoding_equals_full_forward(arch):

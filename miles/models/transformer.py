@@ -19,7 +19,6 @@ from miles.errors import MilesError
 from miles.models.config import ModelConfig
 from miles.models.kv_cache import KVCache, Rows
 from miles.models.linear import LinearFactory, default_linear
-from miles.models.norm import RMSNorm
 from miles.models.routing import (
     NO_RECORD,
     RoutingOptions,
@@ -32,6 +31,7 @@ from miles.models.routing import (
     tiled_linear,
     top_k,
 )
+from miles.models.row_ops import RMSNorm, apply_rope
 from miles.models.vision import VisionTower, merge_image_features, mrope_positions
 
 
@@ -105,13 +105,6 @@ def rope_cos_sin(
         freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by the half-split convention of Llama/Qwen."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

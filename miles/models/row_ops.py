@@ -1,11 +1,13 @@
-"""RMSNorm, with a hand-written backward; on CPU in fp32 one C++ pass a row each way (norm.cpp).
+"""RMSNorm and RoPE with hand-written backwards; on CPU in fp32 one C++ pass each way (row_ops.cpp).
 
 Autograd through the composite (fp32 cast, square, mean, rsqrt, two products) runs five
 operators forward and about eight backward, each a pass over the activations with its own
 temporary; a norm runs two to four times a layer on every token, so on a CPU training step these
 passes cost more than the GEMMs they sit between. Elsewhere (a GPU, bf16) the same formula runs
 as torch operators with the same hand-written backward. Each row's result is its own, so it does
-not depend on the batch (the trainer and the engine's general step agree bitwise).
+not depend on the batch (the trainer and the engine's general step agree bitwise). RoPE likewise:
+four operators and a concatenation each way become one pass, which also writes the head-major
+layout attention reads.
 """
 
 from __future__ import annotations
@@ -22,20 +24,21 @@ from miles.native import build
 
 log = logging.getLogger("miles")
 
-SOURCE = Path(__file__).with_name("norm.cpp")
+SOURCE = Path(__file__).with_name("row_ops.cpp")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where none can be built (the torch operators serve)."""
     try:
-        lib = build(SOURCE, "rms_norm", "the CPU RMSNorm kernels")
+        lib = build(SOURCE, "row_ops", "the CPU RMSNorm and RoPE kernels")
     except RuntimeError as e:
-        log.info("RMSNorm runs as torch operators: %s", str(e).splitlines()[0])
+        log.info("RMSNorm and RoPE run as torch operators: %s", str(e).splitlines()[0])
         return None
     p, n = ctypes.c_void_p, ctypes.c_int64
     lib.miles_rms_norm_forward.argtypes = [n, n, p, p, ctypes.c_double, p, p, n]
     lib.miles_rms_norm_backward.argtypes = [n, n, p, p, p, p, p, p, n]
+    lib.miles_rope.argtypes = [n, n, n, n, p, n, n, n, p, p, p, n, n, n, n, n]
     return lib
 
 
@@ -107,3 +110,55 @@ class _RMSNorm(torch.autograd.Function):
             gn = g * weight.float()  # d/d(normed); normed = x * rstd, rstd = mean(x^2)^(-1/2)
             grad_x = ((gn - normed * (gn * normed).mean(-1, keepdim=True)) * rstd).to(ctx.dtype)
         return grad_x, grad_weight, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by the half-split convention of Llama/Qwen; cos, sin (B, T, D)."""
+    if _native(x, cos) is not None and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32:
+        return _Rope.apply(x, cos.contiguous(), sin.contiguous())
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, inverse: bool
+) -> torch.Tensor:
+    B, H, T, D = x.shape
+    lib = _library()
+    lib.miles_rope(
+        B, H, T, D, x.data_ptr(), *x.stride()[:3], cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        *out.stride()[:3], int(inverse), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE as one C++ pass each way; the result head-major (contiguous (B, H, T, D)), the input's
+    gradient in the input's own layout."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not _dense(x):  # broadcast or sliced: its strides cannot hold a gradient
+            x = x.contiguous()
+        ctx.save_for_backward(cos, sin)
+        ctx.x_stride = x.stride()
+        return _rotate(x, cos, sin, torch.empty(x.shape), inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        out = torch.empty_strided(grad.shape, ctx.x_stride)  # the layout the input came in
+        return _rotate(grad, cos, sin, out, inverse=True), None, None
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill its memory exactly once in some order of its dimensions."""
+    expected = 1
+    for i in sorted(range(x.dim()), key=x.stride):
+        if x.size(i) != 1 and x.stride(i) != expected:
+            return False
+        expected *= x.size(i)
+    return True

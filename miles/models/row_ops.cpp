@@ -65,3 +65,31 @@ void miles_rms_norm_backward(int64_t rows, int64_t C, const float *g, const floa
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Rotary embedding, Llama/Qwen's half-split convention, of x (B, H, T, D) by cos/sin (B, T, D):
+// y[:h] = x[:h] cos[:h] - x[h:] sin[:h], y[h:] = x[h:] cos[h:] + x[:h] sin[h:] (h = D / 2).
+// x and y at any strides (in elements; D contiguous): a head-major result straight from the
+// projection's token-major layout. `inverse`: the transposed rotation (the backward).
+void miles_rope(int64_t B, int64_t H, int64_t T, int64_t D, const float *x, int64_t xb, int64_t xh, int64_t xt,
+                const float *cos, const float *sin, float *y, int64_t yb, int64_t yh, int64_t yt, int64_t inverse,
+                int64_t threads) {
+  const int64_t half = D / 2, s_lo = inverse ? half : 0, s_hi = inverse ? 0 : half;
+  const float s = inverse ? -1.f : 1.f;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + b * xb + h * xh + t * xt, *c = cos + (b * T + t) * D, *sn = sin + (b * T + t) * D;
+        float *yr = y + b * yb + h * yh + t * yt;
+#pragma omp simd
+        for (int64_t d = 0; d < half; d++) {
+          const float lo = xr[d], hi = xr[d + half];
+          yr[d] = lo * c[d] - s * (hi * sn[d + s_lo]);
+          yr[d + half] = hi * c[d + half] + s * (lo * sn[d + s_hi]);
+        }
+      }
+}
+
+}  // extern "C"
