@@ -1,7 +1,7 @@
-// RMSNorm forward and backward over rows of C floats, for the training forward on CPU
-// (miles/models/norm.py). One pass over a row each way instead of the five to eight operators
-// (and their temporaries) of the composite; rows split over the threads, each row's arithmetic
-// its own (sequential sums), so a row's result does not depend on the other rows or the threads.
+// RMSNorm and RoPE forward and backward for the training forward on CPU (miles/models/row_ops.py).
+// One pass over the data each way instead of the five to eight operators (and their temporaries)
+// of the composite; rows split over the threads, each row's arithmetic its own (sequential sums),
+// so a row's result does not depend on the other rows or the threads.
 
 #include <cmath>
 #include <cstdint>

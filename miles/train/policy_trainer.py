@@ -672,7 +672,7 @@ class PolicyTrainer:
             )
             recorded = batch.shared.group_forced
         chosen, kept = routing_counts(out.routed_experts, weight, self.model.config.num_experts)
-        every_layer = torch.stack([lg.detach() for lg in out.router_logits], dim=2)  # (B, T, layers, E)
+        every_layer = torch.stack([lg.detach() for lg in out.router_logits], dim=2)  # (rows, T, layers, E)
         self.load.add(chosen, kept, router_entropy_sum(every_layer, weight), float(mask.sum()))
         aux_share = torch.zeros((), device=self.device)
         if cfg.train.aux_loss_coef > 0:
