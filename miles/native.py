@@ -3,7 +3,7 @@
 A source is compiled with `-O3 -march=native -fopenmp` (a few seconds, no torch headers) into
 `$MILES_KERNEL_CACHE` (else `~/.cache/miles/kernels`), keyed by the source, the compiler and
 the CPU, and loaded with ctypes. Used by the fused decode step (`miles.rollout.steps.fused`)
-and the training forward's RMSNorm (`miles.models.row_ops`). A leaf module: the standard library
+and the training forward's RMSNorm and RoPE (`miles.models.row_ops`). A leaf module: the standard library
 only.
 """
 

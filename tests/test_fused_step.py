@@ -416,11 +416,11 @@ def test_experts_filling_whole_panels_pack_in_one_copy_a_projection_as_part_by_p
     model = random_model("qwen3_moe", seed=2, moe_intermediate_size=128)
     at_once = FusedStep(model)
     at_once._pack()
-    assert any(at_once._stackable.values())
+    assert any(at_once._experts_at_once.values())
     monkeypatch.setattr(fused_step, "_stackable", lambda parts: False)
     one_by_one = FusedStep(model)
     one_by_one._pack()
-    assert not any(one_by_one._stackable.values())
+    assert not any(one_by_one._experts_at_once.values())
     assert at_once._buffers.keys() == one_by_one._buffers.keys()
     for key, packed in at_once._buffers.items():
         assert torch.equal(packed, one_by_one._buffers[key]), key

@@ -64,10 +64,6 @@ void miles_rms_norm_backward(int64_t rows, int64_t C, const float *g, const floa
     }
 }
 
-}  // extern "C"
-
-extern "C" {
-
 // Rotary embedding, Llama/Qwen's half-split convention, of x (B, H, T, D) by cos/sin (B, T, D):
 // y[:h] = x[:h] cos[:h] - x[h:] sin[:h], y[h:] = x[h:] cos[h:] + x[:h] sin[h:] (h = D / 2).
 // x and y at any strides (in elements; D contiguous): a head-major result straight from the

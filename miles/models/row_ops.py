@@ -42,8 +42,9 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _native(x: torch.Tensor, weight: torch.Tensor) -> ctypes.CDLL | None:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, where every operand is an fp32 CPU tensor and they are built."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     return _library()
 
@@ -114,7 +115,7 @@ class _RMSNorm(torch.autograd.Function):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, H, T, D) by the half-split convention of Llama/Qwen; cos, sin (B, T, D)."""
-    if _native(x, cos) is not None and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32:
+    if x.stride(-1) == 1 and _native(x, cos, sin) is not None:
         return _Rope.apply(x, cos.contiguous(), sin.contiguous())
     cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)

@@ -32,7 +32,7 @@ def routing_counts(
     counts every slot's expert (before capacity), `kept` only the slots that were not dropped."""
     counted = weight > 0
     rec = record[counted]  # (N, L, K)
-    N, L, K = rec.shape
+    _, L, K = rec.shape
     times = weight[counted].double().repeat_interleave(L * K)
     experts = decode_experts(rec).clamp(min=0)
     layer = torch.arange(L, device=rec.device)[None, :, None].expand_as(rec)

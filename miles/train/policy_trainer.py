@@ -659,17 +659,11 @@ class PolicyTrainer:
         train/rollout routing mismatch, over every real position of the padded batch."""
         cfg = self.cfg
         mask = batch.attention_mask
-        weight, recorded = (
-            mask,
-            batch.forced_experts,
-        )  # R3 packed the recorded routing, unless a plan carries it
-        if (
-            out.routing_rows is not None
-        ):  # packed groups: each row counted once for each position it stands for
-            rows = out.routed_experts.shape[0] * out.routed_experts.shape[1]
-            weight = torch.bincount(out.routing_rows[mask.bool()], minlength=rows).view(
-                out.routed_experts.shape[:2]
-            )
+        # R3 packed the recorded routing in the padded layout, unless a shared-prompt plan carries it
+        weight, recorded = mask, batch.forced_experts
+        if out.routing_rows is not None:  # packed groups: a row counts once for each position it stands for
+            rows = out.routed_experts.shape[:2]
+            weight = torch.bincount(out.routing_rows[mask.bool()], minlength=rows.numel()).view(rows)
             recorded = batch.shared.group_forced
         chosen, kept = routing_counts(out.routed_experts, weight, self.model.config.num_experts)
         every_layer = torch.stack([lg.detach() for lg in out.router_logits], dim=2)  # (rows, T, layers, E)

@@ -241,11 +241,7 @@ def packed_forward(
         forced_experts=plan.group_forced, head_rows=rows, pad_free=pad_free, attend=plan.group_attend,
     )  # fmt: skip
 
-    logits = None
-    if head_rows is None:
-        logits = (
-            out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, where).view(*plan.gather.shape, -1)
-        )
+    logits = _padded(out.logits, plan.group_gather) if head_rows is None else None
     compact = ModelOutput(
         logits,
         out.router_logits,
@@ -264,16 +260,17 @@ def packed_forward(
 def padded_routing(out: ModelOutput) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """(router logits per layer (B, T, E), routed experts (B, T, layers, K)) of a training forward
     in the padded layout, wherever its rows were kept compact (`ModelOutput.routing_rows`)."""
-    if out.routing_rows is None:
-        return out.router_logits, out.routed_experts
     rows = out.routing_rows
+    if rows is None:
+        return out.router_logits, out.routed_experts
+    routed = None if out.routed_experts is None else _padded(out.routed_experts, rows)
+    return [_padded(r, rows) for r in out.router_logits], routed
 
-    def full(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, *x.shape[2:]).index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[2:])
 
-    return [full(r) for r in out.router_logits], None if out.routed_experts is None else full(
-        out.routed_experts
-    )
+def _padded(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x (G, L, ...) in a group layout -> (B, T, ...), position (b, t) taking row rows[b, t]
+    (index_select: its backward is an index_add, much faster on CPU than advanced indexing's)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[2:])
 
 
 def in_order(parts: list[torch.Tensor], picks: list[torch.Tensor]) -> torch.Tensor:

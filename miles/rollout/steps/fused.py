@@ -316,7 +316,7 @@ class FusedStep:
         self.wide_below = wide_below
         self._packed_versions: list[int] | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # the packed fp32 copies, by product
-        self._stackable: dict[str, bool] = {}  # by product: its experts packed in one copy a projection
+        self._experts_at_once: dict[str, bool] = {}  # by product: its experts packed in one copy a projection
         self._pointers = [p.data_ptr() for p in self._sources()]
         self.moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
         self.top_k = cfg.num_experts_per_tok if self.moe_layers else 1
@@ -362,9 +362,9 @@ class FusedStep:
         def weight(key: str, parts: list[list[nn.Module]]) -> _Weight:
             """One product, its parts packed one after another (fp32 straight into its buffer)."""
             whole = buffer(key, [m for part in parts for m in part])
-            if key not in self._stackable:  # the layout of a product's weights never changes in place
-                self._stackable[key] = whole is not None and len(parts) > 1 and _stackable(parts)
-            if self._stackable[key]:
+            if key not in self._experts_at_once:  # the layout of a product's weights never changes in place
+                self._experts_at_once[key] = whole is not None and len(parts) > 1 and _stackable(parts)
+            if self._experts_at_once[key]:
                 _pack_experts(parts, whole)
                 return _Weight(ptr(whole), None, 0)
             packed, start = [], 0
